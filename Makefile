@@ -25,12 +25,7 @@ lint: .venv/installed
 test: lint
 	$(PY) -m pytest
 
-# Until the CPU ladder exists: build a tiny 4-layer model (0.9M parameters), fine-tune it on the synthetic task
-# (1250 steps, about 4 minutes on 2 cores), and evaluate the last checkpoint on the held-out synthetic test split.
+# The CPU ladder (ladder.py): build a tiny model, SFT it on the synthetic task, then expert iteration and GRPO from
+# the SFT checkpoint, and evaluate every stage on the held-out test split; prints the table, writes ladder.png.
 demo: .venv/installed
-	$(PY) tiny_model.py --out runs/demo/tiny-qwen3 --n-layers 4
-	$(PY) sft.py --model runs/demo/tiny-qwen3 --dataset synthetic --template question --output-dir runs/demo \
-		--n-epochs 2 --batch-size 32 --microbatch-size 32 --lr 3e-3 --max-seq-len 128 \
-		--eval-every 250 --n-eval 128 --eval-max-tokens 48 --save-every 1250
-	$(PY) eval.py --model $$(ls -d runs/demo/sft__*/checkpoints/step_* | tail -n 1) --dataset synthetic \
-		--split test --template question --max-tokens 48 --out-dir runs/demo/results
+	$(PY) ladder.py

@@ -245,13 +245,17 @@ _MORE = ["buys {} more", "finds {} more", "gets {} more"]
 _LESS = ["gives away {}", "loses {}", "sells {}"]
 
 
-def make_synthetic(n: int, seed: int = SYNTHETIC_SEED, max_operand: int = 99, max_steps: int = 2) -> list[dict]:
+def make_synthetic(n: int, seed: int = SYNTHETIC_SEED, max_operand: int = 9, max_steps: int = 4) -> list[dict]:
     """n word problems with distinct arithmetic, deterministic in the arguments (ids "<seed>/<i>").
 
     A problem starts from a count in 1..max_operand and applies 1..max_steps steps, each adding 1..max_operand
     or removing 1..min(current count, max_operand), so every intermediate result and the answer are integers >= 0:
-      prompt   "Tom has 23 apples. He buys 15 more and gives away 9. How many apples does he have now?"
-      solution "23 + 15 = 38. 38 - 9 = 29."   answer "29"
+      prompt   "Tom has 4 marbles. He sells 3 and gets 9 more and gets 6 more and buys 7 more. How many marbles
+                does he have now?"
+      solution "4 - 3 = 1. 1 + 9 = 10. 10 + 6 = 16. 16 + 7 = 23."   answer "23"
+    The defaults (one-digit operands, up to 4 steps) make a multi-step task that a 4-layer, 0.9M-parameter model
+    learns to 40-80% greedy accuracy (by seed) in one SFT epoch (625 steps, ~3 minutes on 2 cores); with
+    two-digit operands (max_operand=99, max_steps=2) it needed 1250 steps to reach ~20%: its errors were carries.
     Problems are distinct in their numbers and operations (not only in wording), so a split cut from this list
     never asks a computation that another split asks. Only `random.Random(seed)` is used: same output everywhere.
     """

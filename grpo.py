@@ -61,9 +61,8 @@ Usage:
     python grpo.py --model Qwen/Qwen3-1.7B-Base                    # GSM8K, R1-Zero template, 200 steps, 2 GPUs
     python grpo.py --model runs/sft__1__1763700000/checkpoints/step_000200 --loss-aggregation sequence_mean
     python grpo.py --resume runs/grpo__1__1763800000              # continue a stopped run where it stopped
-  No GPU: a tiny model, SFT'd (~15 min on 2 cores) until it writes the answer format, then GRPO (~1 s a step). It
-  answers only ~2% of the synthetic problems, so ~90% of the groups have equal rewards and carry no signal: this
-  shows the mechanics on a CPU, not GRPO's gains (tests/test_grpo.py shows learning with a denser test reward).
+  No GPU: a tiny model, SFT'd on the synthetic task, then GRPO (~4 s a step); ladder.py runs this whole chain and
+  the README reports what it measured (on a CPU it shows the mechanics; GRPO does not yet beat its SFT start there).
     python tiny_model.py --out runs/tiny-qwen3
     python sft.py --model runs/tiny-qwen3 --dataset synthetic --batch-size 32 --microbatch-size 32 --lr 2e-3 \\
         --n-examples 9600 --eval-every 100 --n-eval 64 --eval-max-tokens 64 --max-seq-len 256
@@ -87,7 +86,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import tyro
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_constant_schedule_with_warmup
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    get_constant_schedule_with_warmup,
+    get_cosine_schedule_with_warmup,
+)
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -148,11 +152,13 @@ class Args:
 
     # --- optim ---
     lr: float = 1e-5
-    """learning rate of AdamW (constant after the warmup)"""
+    """peak learning rate of AdamW (reached after the warmup)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     warmup_steps: int = 0
     """the learning rate rises linearly from 0 over the optimizer steps of the first warmup_steps GRPO steps"""
+    lr_schedule: str = "constant"
+    """after the warmup: constant | cosine (decays to 0 at the last GRPO step; a tiny model needs it, see README)"""
     train_batch_size: int = 256
     """responses per optimizer step: rollout_batch_size / train_batch_size optimizer steps per epoch over a rollout
     batch (fewer responses each when groups are dropped); 1 step is on-policy, more are off-policy and need clipping"""
@@ -678,6 +684,8 @@ def check_args(args: Args) -> None:
         raise ValueError(f"unknown loss_type {args.loss_type!r}")
     if args.loss_aggregation not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss_aggregation {args.loss_aggregation!r}; choose from {list(LOSS_AGGREGATIONS)}")
+    if args.lr_schedule not in ("constant", "cosine"):
+        raise ValueError(f"unknown lr_schedule {args.lr_schedule!r}; choose from constant, cosine")
     if args.temperature <= 0:
         raise ValueError("temperature must be > 0: GRPO needs several different responses per question")
 
@@ -794,7 +802,12 @@ def main(args: Args) -> Path:
     # detached, are the old log-probs (ratio exactly 1), and the extra forward pass is skipped.
     needs_old_log_probs = args.loss_type == "grpo_clip" and updates_per_step > 1
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
-    scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps * updates_per_step)
+    if args.lr_schedule == "cosine":
+        scheduler = get_cosine_schedule_with_warmup(
+            optimizer, args.warmup_steps * updates_per_step, args.n_grpo_steps * updates_per_step
+        )
+    else:
+        scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps * updates_per_step)
     start_step = 0
     if checkpoint:
         state = torch.load(checkpoint / "trainer_state.pt", weights_only=False)

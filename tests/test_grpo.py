@@ -313,6 +313,7 @@ def test_step_questions_and_seeds():
         ({"loss_type": "ppo"}, "unknown loss_type"),
         ({"loss_aggregation": "sum"}, "unknown loss_aggregation"),
         ({"temperature": 0.0}, "temperature"),
+        ({"lr_schedule": "linear"}, "unknown lr_schedule"),
     ],
 )
 def test_argument_errors_before_the_engine_starts(overrides, message, monkeypatch):

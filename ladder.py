@@ -1,0 +1,196 @@
+"""The CPU ladder: watch SFT, expert iteration and GRPO each make a model better, on a laptop.
+
+    python ladder.py              # about 15 minutes on 2 CPU cores; no GPU, no internet
+    python ladder.py --seed 2     # the README's table has seeds 1, 2 and 3
+
+It runs the project's own scripts, each as a subprocess with the command line it prints first (copy one to rerun a
+stage alone), all inside one run folder, runs/ladder__<seed>__<unix time>/:
+
+  1. tiny_model.py    a 4-layer Qwen3 (0.9M parameters) with random weights, and a tokenizer trained here
+  2. sft.py           fine-tune it on the worked solutions of the synthetic task         -> sft checkpoint
+  3. expert_iter.py   from the sft checkpoint: sample, keep what the verifier accepts, fine-tune, repeat
+  4. grpo.py          from the sft checkpoint: GRPO on the verifier's reward
+  5. eval.py          every model above (the random one too) on the held-out synthetic test split
+
+and ends with a table (accuracy of each stage, and its wall time), ladder.json, and ladder.png: eval accuracy and
+rollout reward against step for each stage. The stage settings below are the whole recipe; the README explains why
+each is what it is. A ladder that dies can be continued: `python ladder.py --resume runs/ladder__1__...` skips the
+stages that finished (each writes its result to ladder.json as it ends).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import tyro
+
+
+@dataclass
+class Args:
+    seed: int = 1
+    """seed of every stage (model init, data order, sampling)"""
+    output_dir: str = "runs"
+    """where the ladder's run folder is made"""
+    resume: str | None = None
+    """a ladder run folder to continue: its finished stages are skipped"""
+    n_layers: int = 4
+    """layers of the tiny model"""
+    sft_examples: int = 20000
+    """worked solutions sft.py trains on, one epoch in batches of 32 (20,000: the whole train split, 625 steps)"""
+    ei_steps: int = 6
+    """expert-iteration steps"""
+    grpo_steps: int = 40
+    """GRPO steps"""
+    n_test: int | None = None
+    """evaluate on the first n_test test problems (None: all 512)"""
+
+
+STAGES = ("base", "sft", "expert_iter", "grpo")
+SHARED = ["--dataset", "synthetic", "--template", "question"]  # every script: the same task and prompt
+LENGTHS = ["--max-tokens", "64", "--eval-max-tokens", "64"]  # a 4-step solution is ~40 tokens
+
+
+def stage_commands(args: Args, run_dir: Path, sft_checkpoint: str) -> dict[str, list[str]]:
+    """The command line of every training stage. sft_checkpoint is only known once sft.py has run."""
+    common = [*SHARED, "--seed", str(args.seed), "--output-dir", str(run_dir)]
+    return {
+        "tiny_model": ["tiny_model.py", "--out", str(run_dir / "base"), "--n-layers", str(args.n_layers),
+                       "--seed", str(args.seed)],
+        "sft": ["sft.py", "--model", str(run_dir / "base"), *common, "--n-examples", str(args.sft_examples),
+                "--batch-size", "32", "--microbatch-size", "32", "--lr", "3e-3", "--max-seq-len", "128",
+                "--eval-every", "125", "--n-eval", "256", "--eval-max-tokens", "64", "--save-every", "100000"],
+        "expert_iter": ["expert_iter.py", "--model", sft_checkpoint, *common, "--n-ei-steps", str(args.ei_steps),
+                        "--n-questions", "256", "--group-size", "4", *LENGTHS, "--lr", "1e-4", "--warmup-steps", "5",
+                        "--batch-size", "32", "--microbatch-size", "32", "--max-seq-len", "160", "--n-eval", "256"],
+        "grpo": ["grpo.py", "--model", sft_checkpoint, *common, "--n-grpo-steps", str(args.grpo_steps),
+                 "--rollout-batch-size", "256", "--group-size", "8", "--train-batch-size", "64",
+                 "--microbatch-size", "64", "--lr", "3e-5", "--warmup-steps", "5", "--lr-schedule", "cosine",
+                 *LENGTHS, "--n-eval", "256", "--eval-every", "10", "--save-every", "100000"],
+    }  # fmt: skip
+
+
+def run(cmd: list[str], log: Path) -> float:
+    """Run `python <cmd>` from this folder, echo and log its output; return its wall time. Raise if it fails."""
+    print(f"\n$ python {' '.join(cmd)}", flush=True)
+    start = time.time()
+    with open(log, "w") as f, subprocess.Popen(
+        [sys.executable, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=Path(__file__).parent,
+    ) as proc:  # fmt: skip
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            f.write(line)
+    if proc.returncode:
+        raise RuntimeError(f"{cmd[0]} failed (exit {proc.returncode}); its output is in {log}")
+    return time.time() - start
+
+
+def find_one(pattern: str, folder: Path) -> Path:
+    """The single (or, for checkpoints, last) path matching pattern in folder."""
+    found = sorted(folder.glob(pattern))
+    if not found:
+        raise FileNotFoundError(f"no {pattern} in {folder}")
+    return found[-1]
+
+
+def evaluate(args: Args, model: Path, run_dir: Path, name: str) -> tuple[float, float]:
+    """Greedy accuracy of model on the synthetic test split (eval.py); returns (accuracy, wall time)."""
+    out = run_dir / "eval" / name
+    limit = [] if args.n_test is None else ["--limit", str(args.n_test)]
+    cmd = ["eval.py", "--model", str(model), *SHARED, "--split", "test", *limit, "--max-tokens", "64",
+           "--out-dir", str(out)]  # fmt: skip
+    seconds = run(cmd, run_dir / f"eval_{name}.log")
+    summary = json.loads(find_one("*/summary.json", out).read_text())
+    return summary["metrics"]["eval/accuracy"], seconds
+
+
+def read_metrics(run_folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def curves(run_dir: Path, stage: str) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) series of a stage's metrics.jsonl: eval accuracy (greedy, val split) and rollout reward."""
+    records = read_metrics(find_one(f"{stage}__*", run_dir))
+    reward_key = {"expert_iter": "rollout/accuracy", "grpo": "rollout/reward_mean"}.get(stage)
+    return {
+        "eval accuracy (val, greedy)": [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r],
+        "rollout reward (train, sampled)": [(r["step"], r[reward_key]) for r in records if reward_key in r],
+    }
+
+
+def plot(run_dir: Path, results: dict) -> Path:
+    """ladder.png: one panel a training stage, eval accuracy and rollout reward against its step."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no window
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), sharey=True)
+    for ax, stage in zip(axes, ("sft", "expert_iter", "grpo"), strict=True):
+        for label, points in curves(run_dir, stage).items():
+            if points:
+                steps, values = zip(*points, strict=True)
+                ax.plot(steps, values, marker="o", markersize=3, label=label)
+        ax.axhline(results["sft"]["accuracy"], color="gray", linestyle=":", label="SFT checkpoint (test)")
+        ax.set_title(f"{stage}: test accuracy {results[stage]['accuracy']:.1%}")
+        ax.set_xlabel(f"{stage} step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy / reward")
+    axes[-1].legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path = run_dir / "ladder.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def table(results: dict) -> str:
+    rows = ["| stage | test accuracy | wall time |", "|---|---|---|"]
+    for stage in STAGES:
+        r = results[stage]
+        rows.append(f"| {stage} | {r['accuracy']:.1%} | {r['seconds'] / 60:.1f} min |")
+    total = sum(r["seconds"] for r in results.values())
+    rows.append(f"| total | | {total / 60:.1f} min |")
+    return "\n".join(rows)
+
+
+def main(args: Args) -> dict:
+    run_dir = Path(args.resume or Path(args.output_dir) / f"ladder__{args.seed}__{int(time.time())}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    results_path = run_dir / "ladder.json"
+    results = json.loads(results_path.read_text())["results"] if results_path.exists() else {}
+
+    def finish(stage: str, accuracy: float, seconds: float) -> None:
+        results[stage] = {"accuracy": accuracy, "seconds": seconds}
+        results_path.write_text(json.dumps({"args": asdict(args), "results": results}, indent=2) + "\n")
+        print(f"\n=== {stage}: test accuracy {accuracy:.1%} ({seconds / 60:.1f} min) ===", flush=True)
+
+    cmds = stage_commands(args, run_dir, sft_checkpoint="<after sft>")
+    if "base" not in results:
+        seconds = run(cmds["tiny_model"], run_dir / "tiny_model.log")
+        accuracy, eval_seconds = evaluate(args, run_dir / "base", run_dir, "base")
+        finish("base", accuracy, seconds + eval_seconds)
+    if "sft" not in results:
+        seconds = run(cmds["sft"], run_dir / "sft.log")
+        accuracy, eval_seconds = evaluate(args, find_one("sft__*/checkpoints/step_*", run_dir), run_dir, "sft")
+        finish("sft", accuracy, seconds + eval_seconds)
+    cmds = stage_commands(args, run_dir, sft_checkpoint=str(find_one("sft__*/checkpoints/step_*", run_dir)))
+    for stage in ("expert_iter", "grpo"):
+        if stage not in results:
+            seconds = run(cmds[stage], run_dir / f"{stage}.log")
+            checkpoint = find_one(f"{stage}__*/checkpoints/step_*", run_dir)
+            accuracy, eval_seconds = evaluate(args, checkpoint, run_dir, stage)
+            finish(stage, accuracy, seconds + eval_seconds)
+
+    print(f"\nladder, seed {args.seed}, synthetic test split (greedy):\n{table(results)}")
+    print(f"wrote {results_path} and {plot(run_dir, results)}")
+    return results
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU: plenty for a tiny model
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in-process: faster start on CPU
+    main(tyro.cli(Args))
