@@ -161,7 +161,10 @@ def main(args: Args) -> dict:
     run_dir = Path(args.resume or Path(args.output_dir) / f"ladder__{args.seed}__{int(time.time())}")
     run_dir.mkdir(parents=True, exist_ok=True)
     results_path = run_dir / "ladder.json"
-    results = json.loads(results_path.read_text())["results"] if results_path.exists() else {}
+    results = {}
+    if results_path.exists():  # a resumed ladder: its own settings, not this command line's defaults
+        saved = json.loads(results_path.read_text())
+        args, results = Args(**{**saved["args"], "resume": args.resume}), saved["results"]
 
     def finish(stage: str, accuracy: float, seconds: float) -> None:
         results[stage] = {"accuracy": accuracy, "seconds": seconds}
@@ -173,13 +176,10 @@ def main(args: Args) -> dict:
         seconds = run(cmds["tiny_model"], run_dir / "tiny_model.log")
         accuracy, eval_seconds = evaluate(args, run_dir / "base", run_dir, "base")
         finish("base", accuracy, seconds + eval_seconds)
-    if "sft" not in results:
-        seconds = run(cmds["sft"], run_dir / "sft.log")
-        accuracy, eval_seconds = evaluate(args, find_one("sft__*/checkpoints/step_*", run_dir), run_dir, "sft")
-        finish("sft", accuracy, seconds + eval_seconds)
-    cmds = stage_commands(args, run_dir, sft_checkpoint=str(find_one("sft__*/checkpoints/step_*", run_dir)))
-    for stage in ("expert_iter", "grpo"):
+    for stage in ("sft", "expert_iter", "grpo"):
         if stage not in results:
+            if stage != "sft":  # expert iteration and GRPO start from the SFT checkpoint
+                cmds = stage_commands(args, run_dir, str(find_one("sft__*/checkpoints/step_*", run_dir)))
             seconds = run(cmds[stage], run_dir / f"{stage}.log")
             checkpoint = find_one(f"{stage}__*/checkpoints/step_*", run_dir)
             accuracy, eval_seconds = evaluate(args, checkpoint, run_dir, stage)
