@@ -10,7 +10,7 @@
    "synthetic": which reward function grades it). MATH and MATH-500 add `level` (int 1-5, or None) and
    `subject`; MATH-500 adds `answer_given` (the dataset's own `answer` field).
 2. Gold answers: `parse_gsm8k_answer` (the "#### N" line) and `last_boxed` (the last \\boxed{...}).
-3. The synthetic task: `make_synthetic(n, seed, ...)`.
+3. The synthetic task: `make_synthetic(n, seed, ...)`, and `flawed_teacher`: its solutions by a teacher who errs.
 4. Prompt templates: `render_prompt` (what the model is given), `render_response` (the SFT target),
    `stop_strings` (where generation stops) and `gsm8k_fewshot` (the k-shot exemplars).
 
@@ -286,6 +286,33 @@ def make_synthetic(n: int, seed: int = SYNTHETIC_SEED, max_operand: int = 9, max
              "solution": " ".join(equations), "verifier": "synthetic"}
         )  # fmt: skip
     return examples
+
+
+def flawed_teacher(example: dict, forget_carry: float, rng: random.Random) -> dict:
+    """The synthetic problem as worked by a teacher who forgets to carry: on an addition whose units digits overflow
+    (17 + 5), it writes the sum without the carry (12) with probability forget_carry, and goes on from its own total.
+
+    The copy's `solution` and `answer` are the teacher's, wrong whenever it forgot; `gold_answer` keeps the right one:
+      gold     "4 - 3 = 1. 1 + 9 = 10. 10 + 6 = 16. 16 + 7 = 23."   answer "23"
+      teacher  "4 - 3 = 1. 1 + 9 = 0. 0 + 6 = 6. 6 + 7 = 3."         answer "3"   (forget_carry=1)
+    Traces like these stand in for a weaker model's: SFT learns the flaw along with the arithmetic, and only a
+    verifier (which knows the gold answers) can teach a model to do better than its teacher.
+    """
+    equations = re.findall(r"(\d+) ([+-]) (\d+) = \d+\.", example["solution"])
+    if not equations:
+        raise ValueError(f"{example['id']}: solution {example['solution']!r} is not a synthetic one")
+    total, steps = int(equations[0][0]), []
+    for _, op, x in equations:
+        x = int(x)
+        if op == "-":
+            result = total - x
+        elif total >= 0 and total % 10 + x >= 10 and rng.random() < forget_carry:
+            result = total + x - 10
+        else:
+            result = total + x
+        steps.append(f"{total} {op} {x} = {result}.")
+        total = result
+    return dict(example, solution=" ".join(steps), answer=str(total), gold_answer=example["answer"])
 
 
 def _load_synthetic(split: str, data_dir: str | Path | None) -> list[dict]:

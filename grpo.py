@@ -61,8 +61,8 @@ Usage:
     python grpo.py --model Qwen/Qwen3-1.7B-Base                    # GSM8K, R1-Zero template, 200 steps, 2 GPUs
     python grpo.py --model runs/sft__1__1763700000/checkpoints/step_000200 --loss-aggregation sequence_mean
     python grpo.py --resume runs/grpo__1__1763800000              # continue a stopped run where it stopped
-  No GPU: a tiny model, SFT'd on the synthetic task, then GRPO (~4 s a step); ladder.py runs this whole chain and
-  the README reports what it measured (on a CPU it shows the mechanics; GRPO does not yet beat its SFT start there).
+  No GPU: a tiny model, SFT'd on the synthetic task, then GRPO (~4 s a step). ladder.py runs the whole chain, with
+  SFT on a flawed teacher's traces that GRPO then corrects (the README has its numbers); by hand, on gold traces:
     python tiny_model.py --out runs/tiny-qwen3
     python sft.py --model runs/tiny-qwen3 --dataset synthetic --batch-size 32 --microbatch-size 32 --lr 2e-3 \\
         --n-examples 9600 --eval-every 100 --n-eval 64 --eval-max-tokens 64 --max-seq-len 256
@@ -1017,7 +1017,7 @@ def main(args: Args) -> Path:
             line += "no update | "
         if "eval/accuracy" in metrics:
             line += f"eval {metrics['eval/accuracy']:.3f} | "
-        print(line + f"gap {gap:.0e} | {t_generate:.1f}s gen {t_train:.1f}s train {metrics['time/step']:.1f}s")
+        print(line + f"gap {gap:.0e} | gen {t_generate:.1f}s train {t_train:.1f}s step {metrics['time/step']:.1f}s")
         if step_done % args.save_every == 0 or step_done == args.n_grpo_steps:
             save_checkpoint(run_dir, step_done, policy, tokenizer, optimizer, scheduler)
     return run_dir

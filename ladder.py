@@ -7,19 +7,25 @@ It runs the project's own scripts, each as a subprocess with the command line it
 stage alone), all inside one run folder, runs/ladder__<seed>__<unix time>/:
 
   1. tiny_model.py    a 4-layer Qwen3 (0.9M parameters) with random weights, and a tokenizer trained here
-  2. sft.py           fine-tune it on the worked solutions of the synthetic task         -> sft checkpoint
+     teacher traces   the synthetic train problems worked by a flawed teacher (data.flawed_teacher): it forgets
+                      to carry 70% of the time (17 + 5 = 12), so about half of its traces end in a wrong answer
+  2. sft.py           fine-tune the tiny model on those traces: it learns the arithmetic, and the flaw with it
   3. expert_iter.py   from the sft checkpoint: sample, keep what the verifier accepts, fine-tune, repeat
   4. grpo.py          from the sft checkpoint: GRPO on the verifier's reward
   5. eval.py          every model above (the random one too) on the held-out synthetic test split
 
-and ends with a table (accuracy of each stage, and its wall time), ladder.json, and ladder.png: eval accuracy and
-rollout reward against step for each stage. The stage settings below are the whole recipe; the README explains why
-each is what it is. A ladder that dies can be continued: `python ladder.py --resume runs/ladder__1__...` skips the
-stages that finished (each writes its result to ladder.json as it ends).
+Expert iteration and GRPO never see the teacher: they learn from the verifier, which knows the gold answers, and
+so can unlearn the teacher's flaw. The ladder ends with a table (accuracy of each stage, the share of carries it
+gets right, its wall time), ladder.json, and ladder.png: eval accuracy and rollout reward against step per stage.
+The stage settings below are the whole recipe; the README explains why each is what it is. A ladder that dies can
+be continued: `python ladder.py --resume runs/ladder__1__...` skips the stages that finished (each writes its result
+to ladder.json as it ends).
 """
 
 import json
 import os
+import random
+import re
 import subprocess
 import sys
 import time
@@ -27,6 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import tyro
+
+import data
 
 
 @dataclass
@@ -39,17 +47,23 @@ class Args:
     """a ladder run folder to continue: its finished stages are skipped"""
     n_layers: int = 4
     """layers of the tiny model"""
+    forget_carry: float = 0.7
+    """how often the teacher of the SFT traces forgets a carry (0: SFT on the gold solutions)"""
     sft_examples: int = 20000
-    """worked solutions sft.py trains on, one epoch in batches of 32 (20,000: the whole train split, 625 steps)"""
-    ei_steps: int = 6
+    """teacher traces sft.py trains on, one epoch in batches of 32 (20,000: the whole train split, 625 steps)"""
+    ei_steps: int = 10
     """expert-iteration steps"""
-    grpo_steps: int = 40
+    grpo_steps: int = 60
     """GRPO steps"""
     n_test: int | None = None
     """evaluate on the first n_test test problems (None: all 512)"""
 
 
-STAGES = ("base", "sft", "expert_iter", "grpo")
+STAGES = ("base", "teacher", "sft", "expert_iter", "grpo")
+LABELS = {"base": "base (random init)", "teacher": "teacher's traces (train split)", "sft": "SFT on the traces",
+          "expert_iter": "expert iteration from SFT", "grpo": "GRPO from SFT"}  # fmt: skip
+TRACES = "teacher_traces.jsonl"  # in the run folder: sft.py's --sft-file
+CARRY = re.compile(r"(-?\d+) \+ (\d+) = (-?\d+)\.")  # "17 + 5 = 22." in a worked solution
 SHARED = ["--dataset", "synthetic", "--template", "question"]  # every script: the same task and prompt
 LENGTHS = ["--max-tokens", "64", "--eval-max-tokens", "64"]  # a 4-step solution is ~40 tokens
 
@@ -60,17 +74,35 @@ def stage_commands(args: Args, run_dir: Path, sft_checkpoint: str) -> dict[str, 
     return {
         "tiny_model": ["tiny_model.py", "--out", str(run_dir / "base"), "--n-layers", str(args.n_layers),
                        "--seed", str(args.seed)],
-        "sft": ["sft.py", "--model", str(run_dir / "base"), *common, "--n-examples", str(args.sft_examples),
-                "--batch-size", "32", "--microbatch-size", "32", "--lr", "3e-3", "--max-seq-len", "128",
+        "sft": ["sft.py", "--model", str(run_dir / "base"), *common, "--sft-file", str(run_dir / TRACES),
+                "--n-examples", str(args.sft_examples), "--batch-size", "32", "--microbatch-size", "32",
+                "--lr", "3e-3", "--max-seq-len", "128",
                 "--eval-every", "125", "--n-eval", "256", "--eval-max-tokens", "64", "--save-every", "100000"],
         "expert_iter": ["expert_iter.py", "--model", sft_checkpoint, *common, "--n-ei-steps", str(args.ei_steps),
                         "--n-questions", "256", "--group-size", "4", *LENGTHS, "--lr", "1e-4", "--warmup-steps", "5",
                         "--batch-size", "32", "--microbatch-size", "32", "--max-seq-len", "160", "--n-eval", "256"],
         "grpo": ["grpo.py", "--model", sft_checkpoint, *common, "--n-grpo-steps", str(args.grpo_steps),
                  "--rollout-batch-size", "256", "--group-size", "8", "--train-batch-size", "64",
-                 "--microbatch-size", "64", "--lr", "3e-5", "--warmup-steps", "5", "--lr-schedule", "cosine",
+                 "--microbatch-size", "64", "--lr", "1e-4", "--warmup-steps", "5", "--lr-schedule", "cosine",
                  *LENGTHS, "--n-eval", "256", "--eval-every", "10", "--save-every", "100000"],
     }  # fmt: skip
+
+
+def write_teacher_traces(args: Args, run_dir: Path) -> tuple[float, float | None]:
+    """teacher_traces.jsonl, sft.py's --sft-file: the flawed teacher's worked solutions of the synthetic train split,
+    each row with the gold answer (so `sft.py --filter-correct` could drop the wrong ones). Returns the fraction of
+    traces whose final answer is right, and of their carries."""
+    rng = random.Random(args.seed)
+    n_right, responses = 0, []
+    with open(run_dir / TRACES, "w") as f:
+        for example in data.load("synthetic", "train")[: args.sft_examples]:
+            traced = data.flawed_teacher(example, args.forget_carry, rng)
+            n_right += traced["answer"] == example["answer"]
+            prompt, response = data.render_prompt(traced, "question"), data.render_response(traced, "question")
+            row = {"prompt": prompt, "response": response, "answer": example["answer"], "verifier": "synthetic"}
+            f.write(json.dumps(row) + "\n")
+            responses.append(response)
+    return n_right / args.sft_examples, carries_right(responses)
 
 
 def run(cmd: list[str], log: Path) -> float:
@@ -97,15 +129,24 @@ def find_one(pattern: str, folder: Path) -> Path:
     return found[-1]
 
 
-def evaluate(args: Args, model: Path, run_dir: Path, name: str) -> tuple[float, float]:
-    """Greedy accuracy of model on the synthetic test split (eval.py); returns (accuracy, wall time)."""
+def carries_right(texts: list[str]) -> float | None:
+    """Of the additions that carry (17 + 5, a count >= 0 whose units overflow) written in texts, the fraction whose
+    sum is right: the teacher's flaw, measured. None if no text has one."""
+    sums = [(int(a), int(x), int(total)) for text in texts for a, x, total in CARRY.findall(text)]
+    carries = [a + x == total for a, x, total in sums if a >= 0 and a % 10 + x >= 10]
+    return sum(carries) / len(carries) if carries else None
+
+
+def evaluate(args: Args, model: Path, run_dir: Path, name: str) -> tuple[float, float | None, float]:
+    """Greedy accuracy of model on the synthetic test split (eval.py); returns (accuracy, carries right, wall time)."""
     out = run_dir / "eval" / name
     limit = [] if args.n_test is None else ["--limit", str(args.n_test)]
     cmd = ["eval.py", "--model", str(model), *SHARED, "--split", "test", *limit, "--max-tokens", "64",
            "--out-dir", str(out)]  # fmt: skip
     seconds = run(cmd, run_dir / f"eval_{name}.log")
     summary = json.loads(find_one("*/summary.json", out).read_text())
-    return summary["metrics"]["eval/accuracy"], seconds
+    samples = [json.loads(line) for line in find_one("*/samples.jsonl", out).read_text().splitlines()]
+    return summary["metrics"]["eval/accuracy"], carries_right([s["responses"][0] for s in samples]), seconds
 
 
 def read_metrics(run_folder: Path) -> list[dict]:
@@ -148,12 +189,13 @@ def plot(run_dir: Path, results: dict) -> Path:
 
 
 def table(results: dict) -> str:
-    rows = ["| stage | test accuracy | wall time |", "|---|---|---|"]
+    rows = ["| stage | accuracy | carries right | wall time |", "|---|---|---|---|"]
     for stage in STAGES:
         r = results[stage]
-        rows.append(f"| {stage} | {r['accuracy']:.1%} | {r['seconds'] / 60:.1f} min |")
+        carries = "-" if r["carries_right"] is None else f"{r['carries_right']:.0%}"
+        rows.append(f"| {LABELS[stage]} | {r['accuracy']:.1%} | {carries} | {r['seconds'] / 60:.1f} min |")
     total = sum(r["seconds"] for r in results.values())
-    rows.append(f"| total | | {total / 60:.1f} min |")
+    rows.append(f"| total | | | {total / 60:.1f} min |")
     return "\n".join(rows)
 
 
@@ -166,26 +208,30 @@ def main(args: Args) -> dict:
         saved = json.loads(results_path.read_text())
         args, results = Args(**{**saved["args"], "resume": args.resume}), saved["results"]
 
-    def finish(stage: str, accuracy: float, seconds: float) -> None:
-        results[stage] = {"accuracy": accuracy, "seconds": seconds}
+    def finish(stage: str, accuracy: float, carries: float | None, seconds: float) -> None:
+        results[stage] = {"accuracy": accuracy, "carries_right": carries, "seconds": seconds}
         results_path.write_text(json.dumps({"args": asdict(args), "results": results}, indent=2) + "\n")
-        print(f"\n=== {stage}: test accuracy {accuracy:.1%} ({seconds / 60:.1f} min) ===", flush=True)
+        print(f"\n=== {stage}: accuracy {accuracy:.1%} ({seconds / 60:.1f} min) ===", flush=True)
 
     cmds = stage_commands(args, run_dir, sft_checkpoint="<after sft>")
     if "base" not in results:
         seconds = run(cmds["tiny_model"], run_dir / "tiny_model.log")
-        accuracy, eval_seconds = evaluate(args, run_dir / "base", run_dir, "base")
-        finish("base", accuracy, seconds + eval_seconds)
+        accuracy, carries, eval_seconds = evaluate(args, run_dir / "base", run_dir, "base")
+        finish("base", accuracy, carries, seconds + eval_seconds)
+    if "teacher" not in results:
+        start = time.time()
+        finish("teacher", *write_teacher_traces(args, run_dir), time.time() - start)
     for stage in ("sft", "expert_iter", "grpo"):
         if stage not in results:
             if stage != "sft":  # expert iteration and GRPO start from the SFT checkpoint
                 cmds = stage_commands(args, run_dir, str(find_one("sft__*/checkpoints/step_*", run_dir)))
             seconds = run(cmds[stage], run_dir / f"{stage}.log")
             checkpoint = find_one(f"{stage}__*/checkpoints/step_*", run_dir)
-            accuracy, eval_seconds = evaluate(args, checkpoint, run_dir, stage)
-            finish(stage, accuracy, seconds + eval_seconds)
+            accuracy, carries, eval_seconds = evaluate(args, checkpoint, run_dir, stage)
+            finish(stage, accuracy, carries, seconds + eval_seconds)
 
-    print(f"\nladder, seed {args.seed}, synthetic test split (greedy):\n{table(results)}")
+    print(f"\nladder, seed {args.seed}; accuracy on the synthetic test split (greedy; the teacher's: train split)")
+    print(table(results))
     print(f"wrote {results_path} and {plot(run_dir, results)}")
     return results
 

@@ -5,6 +5,7 @@ removing spaces (exceptions found: none), so `answer` and `answer_given` agree e
 """
 
 import json
+import random
 import re
 import subprocess
 import sys
@@ -256,6 +257,35 @@ def test_synthetic_answers_and_disjoint_splits():
     # stronger: no computation (numbers and operations, whatever the wording) is shared between splits
     sums = {split: {ex["solution"] for ex in examples} for split, examples in splits.items()}
     assert pairwise_disjoint(sums.values())
+
+
+def test_flawed_teacher_forgets_carries_and_goes_on_from_its_own_total():
+    gold = {"id": "g", "prompt": "q", "answer": "23", "solution": "4 - 3 = 1. 1 + 9 = 10. 10 + 6 = 16. 16 + 7 = 23.",
+            "verifier": "synthetic"}  # fmt: skip
+    rng = random.Random(0)
+    always = data.flawed_teacher(gold, forget_carry=1.0, rng=rng)  # 1 + 9 and 6 + 7 carry; 0 + 6 does not
+    assert always["solution"] == "4 - 3 = 1. 1 + 9 = 0. 0 + 6 = 6. 6 + 7 = 3."
+    assert (always["answer"], always["gold_answer"], always["prompt"]) == ("3", "23", "q")
+    assert data.flawed_teacher(gold, forget_carry=0.0, rng=rng)["solution"] == gold["solution"]
+    with pytest.raises(ValueError, match="'g'|g: solution"):
+        data.flawed_teacher(dict(gold, solution="23 apples"), forget_carry=0.5, rng=rng)
+
+
+def test_flawed_teacher_forgets_at_its_rate():
+    """Over the train split, the teacher forgets a carry at about the rate asked, and never errs elsewhere."""
+    forgot = carries = 0
+    for ex in load("synthetic", "train")[:4000]:
+        teacher = data.flawed_teacher(ex, forget_carry=0.7, rng=random.Random(ex["id"]))
+        for step in teacher["solution"].split(". "):
+            a, op, x, result = re.fullmatch(r"(-?\d+) ([+-]) (\d+) = (-?\d+)\.?", step).groups()
+            a, x, result = int(a), int(x), int(result)
+            if op == "+" and a >= 0 and a % 10 + x >= 10:
+                carries += 1
+                forgot += result == a + x - 10
+                assert result in (a + x, a + x - 10)
+            else:
+                assert result == (a + x if op == "+" else a - x)
+    assert carries > 2000 and abs(forgot / carries - 0.7) < 0.03
 
 
 # --- prompt templates ---

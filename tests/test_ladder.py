@@ -16,22 +16,35 @@ def test_ladder_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     (run_dir,) = tmp_path.glob("ladder__3__*")
 
     assert list(results) == list(ladder.STAGES)
-    for stage in ladder.STAGES:
+    for stage in ("base", "sft", "expert_iter", "grpo"):
         (summary,) = (run_dir / "eval" / stage).glob("*/summary.json")
         metrics = json.loads(summary.read_text())["metrics"]
         assert metrics["eval/n_problems"] == 8
         assert results[stage]["accuracy"] == metrics["eval/accuracy"]
         assert results[stage]["seconds"] > 0
     assert results["base"]["accuracy"] == 0.0  # random weights cannot answer
+    # sft.py trained on the teacher's traces, whose answers are right as often as the table says
+    rows = [json.loads(line) for line in (run_dir / ladder.TRACES).read_text().splitlines()]
+    assert len(rows) == 64
+    right = [row["response"].endswith(f"#### {row['answer']}") for row in rows]
+    assert results["teacher"]["accuracy"] == sum(right) / 64 and 0 < sum(right) < 64
     assert (run_dir / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the stages started from the right models: expert iteration and GRPO from the SFT checkpoint
     sft_checkpoint = str(sorted(run_dir.glob("sft__*/checkpoints/step_*"))[-1])
     for stage in ("expert_iter", "grpo"):
         (stage_dir,) = run_dir.glob(f"{stage}__*")
         assert json.loads((stage_dir / "args.json").read_text())["model"] == sft_checkpoint
+    (sft_dir,) = run_dir.glob("sft__*")
+    assert json.loads((sft_dir / "args.json").read_text())["sft_file"] == str(run_dir / ladder.TRACES)
 
     # A resumed ladder whose stages all finished runs none of them again.
     before = sorted(p.name for p in run_dir.iterdir())
     monkeypatch.setattr(ladder, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("a stage ran again")))
     assert ladder.main(ladder.Args(resume=str(run_dir))) == results
     assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
+def test_carries_right_counts_only_additions_that_carry():
+    texts = ["4 - 3 = 1. 1 + 9 = 0. 0 + 6 = 6. 6 + 7 = 13.", "17 + 5 = 22. 22 - 9 = 13.\n#### 13", "2 + 2 = 4."]
+    assert ladder.carries_right(texts) == 2 / 3  # 1 + 9 wrong; 6 + 7 and 17 + 5 right; the rest do not carry
+    assert ladder.carries_right(["2 + 2 = 4.", "no arithmetic"]) is None
