@@ -1,6 +1,6 @@
 """The CPU ladder: watch SFT, expert iteration and GRPO each make a model better, on a laptop.
 
-    python ladder.py              # about 15 minutes on 2 CPU cores; no GPU, no internet
+    python ladder.py              # about 11 minutes on 2 CPU cores; no GPU, no internet
     python ladder.py --seed 2     # the README's table has seeds 1, 2 and 3
 
 It runs the project's own scripts, each as a subprocess with the command line it prints first (copy one to rerun a
