@@ -288,6 +288,11 @@ def make_synthetic(n: int, seed: int = SYNTHETIC_SEED, max_operand: int = 9, max
     return examples
 
 
+def carries(total: int, x: int) -> bool:
+    """Whether the addition total + x carries into the tens: a count >= 0 whose units digit overflows (17 + 5)."""
+    return total >= 0 and total % 10 + x >= 10
+
+
 def flawed_teacher(example: dict, forget_carry: float, rng: random.Random) -> dict:
     """The synthetic problem as worked by a teacher who forgets to carry: on an addition whose units digits overflow
     (17 + 5), it writes the sum without the carry (12) with probability forget_carry, and goes on from its own total.
@@ -306,7 +311,7 @@ def flawed_teacher(example: dict, forget_carry: float, rng: random.Random) -> di
         x = int(x)
         if op == "-":
             result = total - x
-        elif total >= 0 and total % 10 + x >= 10 and rng.random() < forget_carry:
+        elif carries(total, x) and rng.random() < forget_carry:
             result = total + x - 10
         else:
             result = total + x

@@ -130,11 +130,11 @@ def find_one(pattern: str, folder: Path) -> Path:
 
 
 def carries_right(texts: list[str]) -> float | None:
-    """Of the additions that carry (17 + 5, a count >= 0 whose units overflow) written in texts, the fraction whose
-    sum is right: the teacher's flaw, measured. None if no text has one."""
+    """Of the additions that carry (data.carries: 17 + 5) written in texts, the fraction whose sum is right: the
+    teacher's flaw, measured. None if no text has one."""
     sums = [(int(a), int(x), int(total)) for text in texts for a, x, total in CARRY.findall(text)]
-    carries = [a + x == total for a, x, total in sums if a >= 0 and a % 10 + x >= 10]
-    return sum(carries) / len(carries) if carries else None
+    right = [a + x == total for a, x, total in sums if data.carries(a, x)]
+    return sum(right) / len(right) if right else None
 
 
 def evaluate(args: Args, model: Path, run_dir: Path, name: str) -> tuple[float, float | None, float]:
