@@ -20,6 +20,10 @@ gets right, its wall time), ladder.json, and ladder.png: eval accuracy and rollo
 The stage settings below are the whole recipe; the README explains why each is what it is. A ladder that dies can
 be continued: `python ladder.py --resume runs/ladder__1__...` skips the stages that finished (each writes its result
 to ladder.json as it ends).
+
+Every stage runs with torch and oneDNN held to AVX2 code (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, printed in
+front of each command), so that an AVX-512 machine computes what an AVX2 one does and the README's numbers reproduce
+on either; `--no-pin-isa` lets them use the machine's widest instructions (README, "Reproducibility").
 """
 
 import json
@@ -57,6 +61,8 @@ class Args:
     """GRPO steps"""
     n_test: int | None = None
     """evaluate on the first n_test test problems (None: all 512)"""
+    pin_isa: bool = True
+    """run the stages with torch and oneDNN held to AVX2 kernels (PIN_ISA), as the README's numbers were made"""
 
 
 STAGES = ("base", "teacher", "sft", "expert_iter", "grpo")
@@ -66,6 +72,11 @@ TRACES = "teacher_traces.jsonl"  # in the run folder: sft.py's --sft-file
 CARRY = re.compile(r"(-?\d+) \+ (\d+) = (-?\d+)\.")  # "17 + 5 = 22." in a worked solution
 SHARED = ["--dataset", "synthetic", "--template", "question"]  # every script: the same task and prompt
 LENGTHS = ["--max-tokens", "64", "--eval-max-tokens", "64"]  # a 4-step solution is ~40 tokens
+# Floating-point kernels differ by instruction set, and a run that samples from its model amplifies the last bits:
+# the same seed's SFT stage ended at 15.0% unpinned on an AVX-512 + AMX machine, 29.7% on it pinned, 29.9% on AVX2.
+# Read by torch and oneDNN at start; an explicit value in the environment wins. vLLM's own kernels (attention, norms)
+# still follow the hardware: vllm/platforms/cpu.py, CpuPlatform.import_kernels loads _C_AVX2 only on an AVX2 CPU.
+PIN_ISA = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def stage_commands(args: Args, run_dir: Path, sft_checkpoint: str) -> dict[str, list[str]]:
@@ -105,13 +116,34 @@ def write_teacher_traces(args: Args, run_dir: Path) -> tuple[float, float | None
     return n_right / args.sft_examples, carries_right(responses)
 
 
-def run(cmd: list[str], log: Path) -> float:
-    """Run `python <cmd>` from this folder, echo and log its output; return its wall time. Raise if it fails."""
-    print(f"\n$ python {' '.join(cmd)}", flush=True)
+def stage_env(args: Args) -> dict[str, str]:
+    """The environment variables every stage runs with, beyond this process's own."""
+    return {k: os.environ.get(k, v) for k, v in PIN_ISA.items()} if args.pin_isa else {}
+
+
+def machine() -> dict:
+    """What the numbers depend on: the CPU, its widest vector instructions, and the kernels torch chose."""
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M)
+    flags = set(re.search(r"^flags\s*:\s*(.*)$", cpuinfo, re.M).group(1).split()) if "flags" in cpuinfo else set()
+    return {
+        "cpu": model.group(1) if model else "unknown",
+        "isa": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags],
+        "n_cpus": os.cpu_count(),
+        "torch_kernels": torch.backends.cpu.get_cpu_capability(),  # of this process: stages may be pinned
+    }
+
+
+def run(cmd: list[str], log: Path, env: dict[str, str]) -> float:
+    """Run `python <cmd>` from this folder with env added, echo and log its output; return its wall time. Raise if it
+    fails."""
+    print(f"\n$ {''.join(f'{k}={v} ' for k, v in env.items())}python {' '.join(cmd)}", flush=True)
     start = time.time()
     with open(log, "w") as f, subprocess.Popen(
         [sys.executable, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        cwd=Path(__file__).parent,
+        cwd=Path(__file__).parent, env={**os.environ, **env},
     ) as proc:  # fmt: skip
         for line in proc.stdout:
             sys.stdout.write(line)
@@ -143,7 +175,7 @@ def evaluate(args: Args, model: Path, run_dir: Path, name: str) -> tuple[float, 
     limit = [] if args.n_test is None else ["--limit", str(args.n_test)]
     cmd = ["eval.py", "--model", str(model), *SHARED, "--split", "test", *limit, "--max-tokens", "64",
            "--out-dir", str(out)]  # fmt: skip
-    seconds = run(cmd, run_dir / f"eval_{name}.log")
+    seconds = run(cmd, run_dir / f"eval_{name}.log", stage_env(args))
     summary = json.loads(find_one("*/summary.json", out).read_text())
     samples = [json.loads(line) for line in find_one("*/samples.jsonl", out).read_text().splitlines()]
     return summary["metrics"]["eval/accuracy"], carries_right([s["responses"][0] for s in samples]), seconds
@@ -203,19 +235,22 @@ def main(args: Args) -> dict:
     run_dir = Path(args.resume or Path(args.output_dir) / f"ladder__{args.seed}__{int(time.time())}")
     run_dir.mkdir(parents=True, exist_ok=True)
     results_path = run_dir / "ladder.json"
-    results = {}
+    results, where = {}, {**machine(), "env": stage_env(args)}
     if results_path.exists():  # a resumed ladder: its own settings, not this command line's defaults
         saved = json.loads(results_path.read_text())
         args, results = Args(**{**saved["args"], "resume": args.resume}), saved["results"]
+        where = saved.get("machine", where)
+    print(f"machine: {where}", flush=True)
 
     def finish(stage: str, accuracy: float, carries: float | None, seconds: float) -> None:
         results[stage] = {"accuracy": accuracy, "carries_right": carries, "seconds": seconds}
-        results_path.write_text(json.dumps({"args": asdict(args), "results": results}, indent=2) + "\n")
+        saved = {"args": asdict(args), "machine": where, "results": results}
+        results_path.write_text(json.dumps(saved, indent=2) + "\n")
         print(f"\n=== {stage}: accuracy {accuracy:.1%} ({seconds / 60:.1f} min) ===", flush=True)
 
     cmds = stage_commands(args, run_dir, sft_checkpoint="<after sft>")
     if "base" not in results:
-        seconds = run(cmds["tiny_model"], run_dir / "tiny_model.log")
+        seconds = run(cmds["tiny_model"], run_dir / "tiny_model.log", stage_env(args))
         accuracy, carries, eval_seconds = evaluate(args, run_dir / "base", run_dir, "base")
         finish("base", accuracy, carries, seconds + eval_seconds)
     if "teacher" not in results:
@@ -225,12 +260,14 @@ def main(args: Args) -> dict:
         if stage not in results:
             if stage != "sft":  # expert iteration and GRPO start from the SFT checkpoint
                 cmds = stage_commands(args, run_dir, str(find_one("sft__*/checkpoints/step_*", run_dir)))
-            seconds = run(cmds[stage], run_dir / f"{stage}.log")
+            seconds = run(cmds[stage], run_dir / f"{stage}.log", stage_env(args))
             checkpoint = find_one(f"{stage}__*/checkpoints/step_*", run_dir)
             accuracy, carries, eval_seconds = evaluate(args, checkpoint, run_dir, stage)
             finish(stage, accuracy, carries, seconds + eval_seconds)
 
     print(f"\nladder, seed {args.seed}; accuracy on the synthetic test split (greedy; the teacher's: train split)")
+    pins = " ".join(f"{k}={v}" for k, v in where["env"].items()) or "unpinned"
+    print(f"{where['cpu']} ({' '.join(where['isa'])}), {pins}")
     print(table(results))
     print(f"wrote {results_path} and {plot(run_dir, results)}")
     return results

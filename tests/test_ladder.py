@@ -9,6 +9,8 @@ import ladder
 def test_ladder_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    for name in ladder.PIN_ISA:
+        monkeypatch.delenv(name, raising=False)
     args = ladder.Args(
         seed=3, output_dir=str(tmp_path), n_layers=2, sft_examples=64, ei_steps=1, grpo_steps=1, n_test=8
     )
@@ -29,6 +31,9 @@ def test_ladder_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     right = [row["response"].endswith(f"#### {row['answer']}") for row in rows]
     assert results["teacher"]["accuracy"] == sum(right) / 64 and 0 < sum(right) < 64
     assert (run_dir / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the stages ran with the instruction set pinned, and ladder.json says so and on which CPU
+    saved = json.loads((run_dir / "ladder.json").read_text())
+    assert saved["machine"]["env"] == ladder.PIN_ISA and saved["machine"]["cpu"]
     # the stages started from the right models: expert iteration and GRPO from the SFT checkpoint
     sft_checkpoint = str(sorted(run_dir.glob("sft__*/checkpoints/step_*"))[-1])
     for stage in ("expert_iter", "grpo"):
