@@ -1,0 +1,135 @@
+"""The trainer side of a GRPO step, alone: tokens/s, model FLOPs utilisation and peak memory.
+
+Builds a model of Qwen3-1.7B-Base's shape from its config with random weights (nothing is downloaded) and runs
+grpo.py's own trainer functions on random token ids, as grpo.py's update does: float32 weights, bf16 autocast on a
+GPU, get_response_log_probs with entropy, grpo_microbatch_train_step (grpo_clip, token_mean), one AdamW step per
+batch. For each microbatch size it prints
+
+    tokens/s   trained tokens (prompt + response) per second over the timed steps
+    MFU        6 x parameters x tokens/s over the device's bf16 dense peak (--peak-tflops; H100 SXM: 989)
+    peak GiB   torch.cuda.max_memory_allocated (GPU), or the process's peak RSS (CPU)
+
+    python bench/train_step.py                                  # GPU: Qwen3-1.7B shape, microbatch 1, 2, 4, 8
+    python bench/train_step.py --gradient-checkpointing
+    python bench/train_step.py --shape tiny --seq-len 128       # no GPU: a small shape on the CPU
+
+It needs torch and transformers only, so it runs on a GPU machine where vLLM is not installed (see IMPORT below).
+"""
+
+import resource
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import tyro
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+try:
+    import vllm  # noqa: F401
+except ImportError:  # IMPORT: grpo.py imports vLLM at the top; the train step never calls it
+    sys.modules["vllm"] = types.SimpleNamespace(LLM=None, SamplingParams=None)
+    sys.modules["vllm.inputs"] = types.SimpleNamespace(TokensPrompt=None)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import grpo  # noqa: E402
+
+SHAPES = {  # Qwen3-1.7B-Base's config.json (1.72e9 parameters, tied embeddings); "tiny" for a CPU
+    "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 intermediate_size=768, vocab_size=151936, tie_word_embeddings=True),
+}  # fmt: skip
+
+
+@dataclass
+class Args:
+    shape: str = "qwen3-1.7b"
+    """a key of SHAPES"""
+    microbatch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    seq_len: int = 1024
+    """prompt + response tokens per sequence (half of it the response)"""
+    gradient_checkpointing: bool = False
+    steps: int = 3
+    """timed optimizer steps per microbatch size, after one warm-up step"""
+    accumulation: int = 4
+    """microbatches per optimizer step"""
+    peak_tflops: float | None = None
+    """the device's bf16 dense peak, for MFU (default: 989 on an H100, 989 on an H200, none on a CPU)"""
+
+
+def peak_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def train_steps(model, optimizer, args: Args, microbatch_size: int, n_steps: int, device: torch.device) -> int:
+    """n_steps optimizer steps of args.accumulation microbatches; returns the number of tokens trained on."""
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    )
+    response_mask = torch.zeros(microbatch_size, args.seq_len, dtype=torch.bool, device=device)
+    response_mask[:, args.seq_len // 2 :] = True
+    for _ in range(n_steps):
+        for _ in range(args.accumulation):
+            ids = torch.randint(0, model.config.vocab_size, (microbatch_size, args.seq_len + 1), device=device)
+            with autocast:
+                out = grpo.get_response_log_probs(model, ids[:, :-1], ids[:, 1:], return_token_entropy=True)
+            grpo.grpo_microbatch_train_step(
+                out["log_probs"], response_mask, args.accumulation, "grpo_clip",
+                advantages=torch.randn(microbatch_size, 1, device=device), old_log_probs=out["log_probs"].detach(),
+                cliprange=0.2, loss_aggregation="token_mean",
+            )  # fmt: skip
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return n_steps * args.accumulation * microbatch_size * args.seq_len
+
+
+def main(args: Args) -> list[dict]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    peak = args.peak_tflops or (989.0 if any(g in name for g in ("H100", "H200")) else None)
+    torch.manual_seed(0)
+    config = Qwen3Config(**SHAPES[args.shape], max_position_embeddings=max(4096, args.seq_len))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    print(f"{name}, torch {torch.__version__}: {args.shape} ({n_params / 1e9:.3f}e9 parameters), sequences of "
+          f"{args.seq_len} tokens, {args.accumulation} microbatches a step, gradient checkpointing "
+          f"{'on' if args.gradient_checkpointing else 'off'}")  # fmt: skip
+    print(f"{'microbatch':>10} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
+    rows = []
+    for microbatch_size in args.microbatch_sizes:
+        try:
+            train_steps(model, optimizer, args, microbatch_size, 1, device)  # warm-up: kernels, AdamW state
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            tokens = train_steps(model, optimizer, args, microbatch_size, args.steps, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            tokens_per_s = tokens / (time.perf_counter() - start)
+        except torch.OutOfMemoryError:
+            print(f"{microbatch_size:>10} {'out of memory':>27}")
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            break
+        mfu = 6 * n_params * tokens_per_s / (peak * 1e12) if peak else None
+        rows.append(
+            dict(microbatch_size=microbatch_size, tokens_per_s=tokens_per_s, mfu=mfu, peak_gib=peak_gib(device))
+        )
+        mfu_text = f"{mfu:.1%}" if mfu is not None else "-"
+        print(f"{microbatch_size:>10} {tokens_per_s:>10.0f} {mfu_text:>6} {rows[-1]['peak_gib']:>9.1f}", flush=True)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+    return rows
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
