@@ -20,9 +20,9 @@
 4. Prompt templates: `render_prompt` (what the model is given), `render_response` (the SFT target),
    `stop_strings` (where generation stops) and `gsm8k_fewshot` (the k-shot exemplars).
 
-data_dir=None reads the Hugging Face hub; data_dir="../shared/data/gsm8k" (or ".../math") reads the local
-JSONL copies. Both run the same checks: a bad row raises DataError naming where it is (file and line, or
-hub row) and which field. Nothing is dropped silently.
+data_dir=None reads the Hugging Face hub; data_dir="../shared/data" (the data root: gsm8k/, math/, ... one folder per
+dataset, see `dataset_dir`) reads the local JSONL copies. Both run the same checks: a bad row raises DataError naming
+where it is (file and line, or hub row) and which field. Nothing is dropped silently.
 """
 
 import json
@@ -46,6 +46,20 @@ class DataError(ValueError):
     """A row that cannot become an example. The message says where (file and line, or hub row) and which field."""
 
 
+FOLDERS = {"math500": "math", "mbpp_sanitized": "mbpp"}  # datasets read from another dataset's folder
+
+
+def dataset_dir(dataset: str, data_dir: str | Path | None) -> Path | None:
+    """The folder of `dataset` under the data root `data_dir` (../shared/data/gsm8k, .../math for math500)."""
+    if data_dir is None or dataset == "synthetic":
+        return None
+    folder = Path(data_dir) / FOLDERS.get(dataset, dataset)
+    if not folder.is_dir():
+        raise DataError(f"{folder}: no such folder; --data-dir is the data root, with one folder per dataset "
+                        f"(gsm8k/, math/, mbpp/, humaneval/, ifeval/)")  # fmt: skip
+    return folder
+
+
 def load(dataset: str, split: str, data_dir: str | Path | None = None) -> list[dict]:
     """Examples of one split, in the source's row order. data_dir=None reads the hub; synthetic ignores it."""
     if dataset not in SPLITS:
@@ -56,7 +70,7 @@ def load(dataset: str, split: str, data_dir: str | Path | None = None) -> list[d
               "mbpp": _load_mbpp, "humaneval": _load_humaneval,
               "mbpp_sanitized": lambda split, data_dir: _load_mbpp(split, data_dir, sanitized=True),
               "ifeval": _load_ifeval}  # fmt: skip
-    examples = loader[dataset](split, data_dir)
+    examples = loader[dataset](split, dataset_dir(dataset, data_dir))
     ids = [ex["id"] for ex in examples]
     if len(set(ids)) != len(ids):
         raise DataError(f"{dataset}/{split}: duplicate ids")
@@ -149,7 +163,7 @@ def _load_gsm8k(split: str, data_dir: str | Path | None) -> list[dict]:
 
 def gsm8k_fewshot(k: int = 5, data_dir: str | Path | None = None) -> list[dict]:
     """The first k rows of the *official* GSM8K train file (some may be in our val split), for "gsm8k_kshot"."""
-    return _load_gsm8k_official("train", data_dir)[:k]
+    return _load_gsm8k_official("train", dataset_dir("gsm8k", data_dir))[:k]
 
 
 # --- MATH (Hendrycks et al. 2021) and MATH-500: the gold answer is the last \boxed{...} of the solution ---
@@ -380,7 +394,8 @@ def _load_mbpp(split: str, data_dir: str | Path | None, sanitized: bool = False)
 
 def mbpp_fewshot(data_dir: str | Path | None = None) -> list[dict]:
     """MBPP tasks 2, 3 and 4, the exemplars of lm-eval's 3-shot `mbpp` ("mbpp_kshot")."""
-    return [ex for ex in _load_mbpp("prompt", data_dir) if int(ex["id"].split("/")[1]) in MBPP_FEWSHOT_IDS]
+    examples = _load_mbpp("prompt", dataset_dir("mbpp", data_dir))
+    return [ex for ex in examples if int(ex["id"].split("/")[1]) in MBPP_FEWSHOT_IDS]
 
 
 def _load_humaneval(split: str, data_dir: str | Path | None) -> list[dict]:

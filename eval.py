@@ -35,11 +35,11 @@ Usage:
         --temperature 1.0 --max-tokens 64
     python eval.py --model Qwen/Qwen3-1.7B-Base --dataset gsm8k --split test --template gsm8k_kshot --n-shot 8 \\
         --max-tokens 256
-    python eval.py --model Qwen/Qwen3-1.7B-Base --dataset mbpp --data-dir ../shared/data/mbpp --template mbpp_kshot \\
+    python eval.py --model Qwen/Qwen3-1.7B-Base --dataset mbpp --data-dir ../shared/data --template mbpp_kshot \\
         --max-tokens 256
-    python eval.py --model Qwen/Qwen3-1.7B-Base --dataset humaneval --data-dir ../shared/data/humaneval \\
+    python eval.py --model Qwen/Qwen3-1.7B-Base --dataset humaneval --data-dir ../shared/data \\
         --template humaneval --max-tokens 1024
-    python eval.py --model Qwen/Qwen3-1.7B-Base --dataset ifeval --data-dir ../shared/data/ifeval --template question \\
+    python eval.py --model Qwen/Qwen3-1.7B-Base --dataset ifeval --data-dir ../shared/data --template question \\
         --max-tokens 1280   # lm-eval's ifeval: 0-shot, greedy; prompt/instruction-level strict and loose
     python eval.py --model runs/sft__1__1763700000/checkpoints/step_000200 --dataset gsm8k --template r1_zero \\
         --n 8 --k 1 4 8 --temperature 1.0   # a checkpoint of sft.py: pass@k and maj@k from 8 samples
@@ -77,16 +77,13 @@ class Args:
     """gsm8k, synthetic: train/val/test; math, ifeval: train/test; math500, humaneval: test;
     mbpp, mbpp_sanitized: train/val/test/prompt"""
     data_dir: str | None = None
-    """folder of local JSONL copies (e.g. ../shared/data/gsm8k; math, math500: ../shared/data/math); None: hub"""
+    """data root with one folder per dataset (e.g. ../shared/data: gsm8k/, math/, mbpp/, ...); None: the hub"""
     limit: int | None = None
     """evaluate only the first N problems of the split (None: all)"""
     template: str = "r1_zero"
     """prompt template: r1_zero | question | chat | gsm8k_kshot | mbpp_kshot | humaneval (see data.py)"""
     n_shot: int = 8
     """number of exemplars in the prompt: GSM8K train rows (gsm8k_kshot), MBPP tasks 2, 3, 4 (mbpp_kshot, at most 3)"""
-    fewshot_dir: str | None = None
-    """folder with the exemplars: GSM8K's train.jsonl or mbpp.jsonl (None: --data-dir if it is that dataset's, else
-    the hub)"""
     # --- sampling ---
     n: int = 1
     """responses sampled per problem"""
@@ -265,10 +262,9 @@ def main(args: Args) -> Path:
     examples = data.load(args.dataset, args.split, args.data_dir)[: args.limit]
     fewshot = None
     if args.template == "gsm8k_kshot":
-        fewshot_dir = args.fewshot_dir or (args.data_dir if args.dataset == "gsm8k" else None)
-        fewshot = data.gsm8k_fewshot(args.n_shot, fewshot_dir)
+        fewshot = data.gsm8k_fewshot(args.n_shot, args.data_dir)
     if args.template == "mbpp_kshot":
-        fewshot = data.mbpp_fewshot(args.fewshot_dir or args.data_dir)[: args.n_shot]
+        fewshot = data.mbpp_fewshot(args.data_dir)[: args.n_shot]
 
     # 2. Generate n responses per problem.
     start = time.time()

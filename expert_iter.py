@@ -90,7 +90,7 @@ class Args:
     dataset: str = "gsm8k"
     """gsm8k | math | synthetic: questions are drawn from its train split, evaluation uses --eval-split"""
     data_dir: str | None = None
-    """folder of the local JSONL copies (e.g. ../shared/data/gsm8k); None: the Hugging Face hub"""
+    """data root with one folder per dataset (e.g. ../shared/data: gsm8k/, math/, ...); None: the Hugging Face hub"""
     template: str = "r1_zero"
     """prompt template from data.py (r1_zero | question | chat) for sampling and evaluation"""
     max_seq_len: int = 1536

@@ -80,7 +80,7 @@ class Args:
     dataset: str = "gsm8k"
     """gsm8k | math | synthetic: trained on its train split (unless --sft-file) and evaluated on --eval-split"""
     data_dir: str | None = None
-    """folder of the local JSONL copies (e.g. ../shared/data/gsm8k); None: the Hugging Face hub"""
+    """data root with one folder per dataset (e.g. ../shared/data: gsm8k/, math/, ...); None: the Hugging Face hub"""
     sft_file: str | None = None
     """JSONL of {"prompt", "response"} pairs to train on instead of the dataset's own solutions; rows may add
     "answer" and "verifier" (needed by --filter-correct)"""

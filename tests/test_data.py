@@ -17,11 +17,11 @@ import pytest
 import data
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-GSM8K, MATH = DATA / "gsm8k", DATA / "math"
+GSM8K = DATA / "gsm8k"
 
 
 def load(dataset, split):
-    return data.load(dataset, split, {"gsm8k": GSM8K, "math": MATH, "math500": MATH, "synthetic": None}[dataset])
+    return data.load(dataset, split, DATA)
 
 
 def pairwise_disjoint(sets):
@@ -157,6 +157,16 @@ GOOD_MATH = {
 }
 
 
+def test_data_dir_is_the_data_root():
+    with pytest.raises(data.DataError, match=r"gsm8k: no such folder; --data-dir is the data root"):
+        data.load("gsm8k", "test", DATA / "gsm8k")  # the old meaning: a dataset's own folder
+
+
+def mkdir(path):
+    path.mkdir()
+    return path
+
+
 def write_jsonl(path, lines):
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return path
@@ -174,7 +184,8 @@ def write_jsonl(path, lines):
     ],
 )
 def test_bad_gsm8k_row(tmp_path, bad_line, field):
-    path = write_jsonl(tmp_path / "test.jsonl", [json.dumps(GOOD_GSM8K), json.dumps(GOOD_GSM8K), bad_line])
+    rows = [json.dumps(GOOD_GSM8K), json.dumps(GOOD_GSM8K), bad_line]
+    path = write_jsonl(mkdir(tmp_path / "gsm8k") / "test.jsonl", rows)
     with pytest.raises(data.DataError) as error:
         data.load("gsm8k", "test", tmp_path)
     assert f"{path}, line 3" in str(error.value)
@@ -192,7 +203,7 @@ def test_bad_gsm8k_row(tmp_path, bad_line, field):
 )
 def test_bad_math_row(tmp_path, change, field):
     bad = {key: value for key, value in {**GOOD_MATH, **change}.items() if value is not None}
-    path = write_jsonl(tmp_path / "test.jsonl", [json.dumps(GOOD_MATH), json.dumps(bad)])
+    path = write_jsonl(mkdir(tmp_path / "math") / "test.jsonl", [json.dumps(GOOD_MATH), json.dumps(bad)])
     with pytest.raises(data.DataError) as error:
         data.load("math", "test", tmp_path)
     assert f"{path}, line 2" in str(error.value) and field in str(error.value)
@@ -352,7 +363,7 @@ def test_gsm8k_kshot():
     assert data.render_response(TOY, "gsm8k_kshot") == " 2+3 = <<2+3=5>>5 apples.\n#### 5"
     assert data.stop_strings("gsm8k_kshot") == ["Question:", "</s>", "<|im_end|>"]
 
-    shots = data.gsm8k_fewshot(5, GSM8K)
+    shots = data.gsm8k_fewshot(5, DATA)
     first = json.loads((GSM8K / "train.jsonl").read_text("utf-8").splitlines()[0])
     prompt = data.render_prompt(load("gsm8k", "test")[0], "gsm8k_kshot", fewshot=shots)
     assert prompt.startswith(f"Question: {first['question']}\nAnswer: {first['answer']}\n\nQuestion: ")

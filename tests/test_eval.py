@@ -172,7 +172,7 @@ def test_end_to_end_synthetic_recount(tiny_model_dir, tmp_path, monkeypatch):
 
 
 def test_end_to_end_gsm8k_kshot(tiny_model_dir, shared_data, tmp_path):
-    args = Args(model=str(tiny_model_dir), dataset="gsm8k", split="test", data_dir=str(shared_data / "gsm8k"),
+    args = Args(model=str(tiny_model_dir), dataset="gsm8k", split="test", data_dir=str(shared_data),
                 limit=4, template="gsm8k_kshot", n_shot=2, max_tokens=32, out_dir=str(tmp_path))  # fmt: skip
     run_dir = eval_script.main(args)
     assert "__gsm8k_test__gsm8k_kshot2__" in run_dir.name

@@ -348,7 +348,7 @@ def test_541_prompts_match_reference(reference):
     """Our strict and loose verdicts equal lm-eval's on every instruction of every response (~20 per prompt)."""
     rng = random.Random(0)
     n_responses, n_strict_followed, n_instructions, mismatches = 0, 0, 0, []
-    for example in data.load("ifeval", "test", DATA / "ifeval"):
+    for example in data.load("ifeval", "test", DATA):
         for response in rule_made_responses(example, rng):
             ours, theirs = both(reference, response, example)
             n_responses += 1
@@ -364,7 +364,7 @@ def test_541_prompts_match_reference(reference):
 
 
 def test_test_split_is_the_541_prompts():
-    examples = data.load("ifeval", "test", DATA / "ifeval")
+    examples = data.load("ifeval", "test", DATA)
     rows = [json.loads(line) for line in open(DATA / "ifeval/input_data.jsonl")]
     assert len(examples) == 541 and [ex["id"] for ex in examples] == [str(row["key"]) for row in rows]
     for ex, row in zip(examples, rows, strict=True):
@@ -373,9 +373,9 @@ def test_test_split_is_the_541_prompts():
 
 
 def test_train_set_deterministic_compatible_and_disjoint_from_test():
-    train = data.load("ifeval", "train", DATA / "ifeval")
-    assert train == data.load("ifeval", "train", DATA / "ifeval") and len(train) == data.IFEVAL_TRAIN_SIZE
-    test_prompts = {ex["prompt"] for ex in data.load("ifeval", "test", DATA / "ifeval")}
+    train = data.load("ifeval", "train", DATA)
+    assert train == data.load("ifeval", "train", DATA) and len(train) == data.IFEVAL_TRAIN_SIZE
+    test_prompts = {ex["prompt"] for ex in data.load("ifeval", "test", DATA)}
     assert not test_prompts & {ex["prompt"] for ex in train}
     counts = {n: 0 for n in (1, 2, 3)}
     for ex in train:
@@ -404,7 +404,7 @@ def test_train_prompt_is_question_then_instructions():
 def test_eval_prints_four_metrics_and_per_type_table(tiny_model_dir, tmp_path, capsys):
     import eval as eval_script
 
-    args = eval_script.Args(model=str(tiny_model_dir), dataset="ifeval", split="test", data_dir=str(DATA / "ifeval"),
+    args = eval_script.Args(model=str(tiny_model_dir), dataset="ifeval", split="test", data_dir=str(DATA),
                             limit=12, template="question", max_tokens=16, out_dir=str(tmp_path))  # fmt: skip
     run_dir = eval_script.main(args)
     printed = capsys.readouterr().out
@@ -433,7 +433,7 @@ def test_grpo_and_expert_iter_run_on_ifeval(tiny_model_dir, tmp_path, small_ifev
     import expert_iter
     import grpo
 
-    common = dict(model=str(tiny_model_dir), dataset="ifeval", data_dir=str(DATA / "ifeval"), template="question",
+    common = dict(model=str(tiny_model_dir), dataset="ifeval", data_dir=str(DATA), template="question",
                   eval_split="test", n_eval=2, eval_max_tokens=4, n_log_generations=1, group_size=4,
                   max_tokens=12)  # fmt: skip
     run_dir = grpo.main(grpo.Args(**common, output_dir=str(tmp_path / "grpo"), n_grpo_steps=2, rollout_batch_size=16,
