@@ -26,9 +26,12 @@ where it is (file and line, or hub row) and which field. Nothing is dropped sile
 """
 
 import json
+import math
 import random
 import re
 from pathlib import Path
+
+import numpy as np
 
 SPLITS = {
     "gsm8k": ("train", "val", "test"),
@@ -738,3 +741,85 @@ def stop_strings(template: str) -> list[str]:
     if template not in stops:
         raise ValueError(f"unknown template {template!r}; choose from {list(TEMPLATES)}")
     return stops[template]
+
+
+# --- Mixtures: several datasets with weights, and optionally a fixed order per dataset (a curriculum) ---
+
+
+def parse_mixture(spec: str) -> list[tuple[str, float]]:
+    """ "gsm8k:0.25,math:0.75" -> [("gsm8k", 0.25), ("math", 0.75)]; a plain "gsm8k" has weight 1.
+    Weights are relative (normalized when drawing). A bad spec raises ValueError naming the part."""
+    mixture = []
+    for part in spec.split(","):
+        name, colon, weight_text = part.strip().partition(":")
+        name = name.strip()
+        if not name or (colon and not weight_text.strip()):
+            raise ValueError(f"mixture {spec!r}: malformed part {part!r}; write name or name:weight")
+        if name not in SPLITS:
+            raise ValueError(f"mixture {spec!r}: unknown dataset {name!r}; choose from {list(SPLITS)}")
+        if name in dict(mixture):
+            raise ValueError(f"mixture {spec!r}: dataset {name!r} given twice")
+        try:
+            weight = float(weight_text) if colon else 1.0
+        except ValueError:
+            raise ValueError(f"mixture {spec!r}: weight {weight_text!r} of {name!r} is not a number") from None
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"mixture {spec!r}: weight of {name!r} must be finite and >= 0, got {weight_text!r}")
+        mixture.append((name, weight))
+    if sum(w for _, w in mixture) <= 0:
+        raise ValueError(f"mixture {spec!r}: the weights sum to zero")
+    return mixture
+
+
+def read_order(path: str | Path, examples: list[dict]) -> list[int]:
+    """A curriculum file (one example id a line, blank lines skipped) -> indices into `examples`, in file order."""
+    index = {ex["id"]: i for i, ex in enumerate(examples)}
+    order = []
+    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.strip() not in index:
+            raise DataError(f"{path}:{line_no}: id {line.strip()!r} is not in the dataset")
+        order.append(index[line.strip()])
+    if not order:
+        raise DataError(f"{path}: no ids")
+    return order
+
+
+def _step_datasets(weights: list[float], n_prompts: int, seed: int, step: int) -> tuple:
+    """Step `step`'s random stream, and the dataset of each of its questions (n_prompts,): the stream's first draw."""
+    rng = np.random.default_rng([seed, step])
+    return rng, rng.choice(len(weights), size=n_prompts, p=np.array(weights) / sum(weights))
+
+
+def mixture_questions_and_seeds(
+    sizes: list[int], weights: list[float], n_prompts: int, group_size: int, seed: int, step: int,
+    orders: list[list[int] | None] | None = None,
+) -> tuple[list[tuple[int, int]], list[int]]:  # fmt: skip
+    """The questions of step `step` as (dataset, index) pairs, and the engine's sampling seed for each question.
+    Each question's dataset is drawn in proportion to `weights`, then distinct questions of each dataset at random,
+    or, where `orders[d]` is given, the next ones of that order (wrapping around): the k-th question ever drawn from
+    dataset d is orders[d][k], across steps. Derived from (seed, step) alone, so a resumed run continues exactly.
+    One dataset without an order draws exactly as grpo.py's step_questions_and_seeds (no dataset draw)."""
+    orders = orders or [None] * len(sizes)
+    if len(sizes) == 1:
+        rng, datasets = np.random.default_rng([seed, step]), np.zeros(n_prompts, dtype=int)
+        drawn_before = np.array([step * n_prompts])
+    else:
+        rng, datasets = _step_datasets(weights, n_prompts, seed, step)
+        # How many questions each ordered dataset gave in the steps before: replay their dataset draws (cheap).
+        drawn_before = np.zeros(len(sizes), dtype=int)
+        if any(order is not None for order in orders):
+            for s in range(step):
+                drawn_before += np.bincount(_step_datasets(weights, n_prompts, seed, s)[1], minlength=len(sizes))
+    picks = [None] * n_prompts
+    for d, (size, order) in enumerate(zip(sizes, orders, strict=True)):
+        slots = np.flatnonzero(datasets == d)  # the questions of this step that come from dataset d
+        if order is None:
+            indices = rng.choice(size, size=len(slots), replace=False).tolist()
+        else:
+            indices = [order[(drawn_before[d] + k) % len(order)] for k in range(len(slots))]
+        for slot, i in zip(slots, indices, strict=True):
+            picks[slot] = (d, i)
+    first_seed = int(rng.integers(2**30))
+    return picks, [first_seed + j * group_size for j in range(n_prompts)]
