@@ -1,0 +1,144 @@
+"""Tests for the mixtures in data.py: parse_mixture, read_order (the curriculum) and mixture_questions_and_seeds.
+
+The counts: 500 steps of 8 questions are N = 4000 draws; a dataset of weight p is drawn Binomial(N, p) times, mean Np,
+sigma sqrt(N p (1 - p)): for p = 0.25, 1000 +- 27.4, so 4 sigma is +- 110 (a false failure about once in 16,000 runs,
+but the draws are seeded, so a test either always passes or always fails).
+"""
+
+import math
+
+import pytest
+
+import data
+import expert_iter
+import grpo
+from data import mixture_questions_and_seeds, parse_mixture, read_order
+
+SIZES = [100, 60, 40, 80]  # four datasets, as gsm8k, math, mbpp, ifeval in a four-way mixture
+
+
+def draws(weights, steps, n_prompts=8, seed=0, orders=None, sizes=SIZES):
+    """The (dataset, index) picks of steps 0 .. steps - 1, one list per step."""
+    return [mixture_questions_and_seeds(sizes, weights, n_prompts, 4, seed, s, orders)[0] for s in range(steps)]
+
+
+# --- parse_mixture ---
+
+
+def test_parse_mixture():
+    assert parse_mixture("gsm8k") == [("gsm8k", 1.0)]
+    assert parse_mixture("gsm8k:0.25,math:0.25,mbpp:0.25,ifeval:0.25") == [
+        ("gsm8k", 0.25), ("math", 0.25), ("mbpp", 0.25), ("ifeval", 0.25)]  # fmt: skip
+    assert parse_mixture(" gsm8k : 3 , math:1 ") == [("gsm8k", 3.0), ("math", 1.0)]  # relative weights, spaces ok
+    assert parse_mixture("gsm8k:1,math:0") == [("gsm8k", 1.0), ("math", 0.0)]  # a zero weight is never drawn
+
+
+@pytest.mark.parametrize(
+    "spec, named",
+    [
+        ("gsm9k:0.5,math:0.5", "unknown dataset 'gsm9k'"),
+        ("gsm8k:0.5,math:-0.5", "weight of 'math' must be finite and >= 0, got '-0.5'"),
+        ("gsm8k:0,math:0", "the weights sum to zero"),
+        ("gsm8k:abc", "weight 'abc' of 'gsm8k' is not a number"),
+        ("gsm8k:nan", "weight of 'gsm8k' must be finite"),
+        ("gsm8k:inf", "weight of 'gsm8k' must be finite"),
+        ("gsm8k:", "malformed part 'gsm8k:'"),
+        ("gsm8k,,math", "malformed part ''"),
+        (":0.5", "malformed part ':0.5'"),
+        ("", "malformed part ''"),
+        ("gsm8k:0.5,math:0.2,gsm8k:0.3", "dataset 'gsm8k' given twice"),
+    ],
+)
+def test_parse_mixture_rejects(spec, named):
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")) as error:
+        parse_mixture(spec)
+    assert repr(spec) in str(error.value)  # the whole spec too, as the user typed it
+
+
+# --- drawing the questions of a step ---
+
+
+def test_one_dataset_draws_exactly_as_the_scripts():
+    """A plain --dataset must replay every existing run: same questions, same sampling seeds, as both scripts."""
+    for seed in (0, 1, 42):
+        for n_prompts in (1, 4, 16):
+            for step in range(25):
+                picks, seeds = mixture_questions_and_seeds([100], [1.0], n_prompts, 4, seed, step)
+                for script in (grpo, expert_iter):
+                    indices, script_seeds = script.step_questions_and_seeds(100, n_prompts, 4, seed, step)
+                    assert picks == [(0, i) for i in indices] and seeds == script_seeds
+
+
+def test_counts_follow_the_weights():
+    """500 steps x 8 questions: each dataset's count within 4 sigma of N p (bound computed here, see the docstring)."""
+    n = 500 * 8
+    for weights in ([0.25] * 4, [0.5, 0.3, 0.2, 0.0], [3, 1, 0, 0]):
+        counts = [0] * 4
+        for picks in draws(weights, 500):
+            for d, _ in picks:
+                counts[d] += 1
+        for d, w in enumerate(weights):
+            p = w / sum(weights)
+            assert abs(counts[d] - n * p) <= 4 * math.sqrt(n * p * (1 - p)), (weights, counts)
+    assert counts[2] == counts[3] == 0  # weight 0: never drawn
+
+
+def test_draws_are_a_function_of_seed_and_step():
+    weights = [0.25] * 4
+    a, b = draws(weights, 30, seed=7), draws(weights, 30, seed=7)
+    assert a == b
+    assert a != draws(weights, 30, seed=8)
+    assert len({tuple(picks) for picks in a}) == 30  # every step draws anew
+    for picks in a:
+        assert len(set(picks)) == len(picks)  # distinct questions within a step
+        assert all(0 <= i < SIZES[d] for d, i in picks)
+    # Each question gets its own group of sampling seeds, group_size apart
+    _, seeds = mixture_questions_and_seeds(SIZES, weights, 8, 4, 7, 3)
+    assert [s - seeds[0] for s in seeds] == [0, 4, 8, 12, 16, 20, 24, 28]
+
+
+# --- the curriculum: an order per dataset ---
+
+ORDER = [39, 0, 17, 5, 38, 2, 11]  # an order for dataset 2 (size 40), shorter than a run: it wraps around
+
+
+def test_curriculum_order_across_steps():
+    """The k-th question ever drawn from dataset 2 is ORDER[k % 7], across 40 steps."""
+    weights = [0.25] * 4
+    steps = draws(weights, 40, orders=[None, None, ORDER, None])
+    drawn = [i for picks in steps for d, i in picks if d == 2]
+    assert len(drawn) > 2 * len(ORDER)  # the order wrapped around at least twice
+    assert drawn == [ORDER[k % len(ORDER)] for k in range(len(drawn))]
+    # The order fixes which questions, not how many: the datasets of each step are those of the unordered run
+    assert [[d for d, _ in picks] for picks in steps] == [[d for d, _ in picks] for picks in draws(weights, 40)]
+
+
+def test_curriculum_resume_continues_the_order():
+    """A resumed run computes step 25 from (seed, step) alone and continues the order where step 24 left it."""
+    orders = [ORDER, None, None, [1, 2, 3]]
+    run = draws([0.4, 0.3, 0.2, 0.1], 40, seed=3, orders=orders)
+    for step in (0, 25, 39):
+        alone, _ = mixture_questions_and_seeds(SIZES, [0.4, 0.3, 0.2, 0.1], 8, 4, 3, step, orders)
+        assert alone == run[step]
+    drawn = [i for picks in run for d, i in picks if d == 0]
+    assert drawn == [ORDER[k % len(ORDER)] for k in range(len(drawn))]
+
+
+def test_curriculum_one_dataset():
+    """One dataset with an order: step s takes order[8 s], ..., order[8 s + 7] (wrapping around)."""
+    order = list(range(99, -1, -1))  # hardest first, say
+    picks, _ = mixture_questions_and_seeds([100], [1.0], 8, 4, 0, 12, [order])
+    assert picks == [(0, 99 - (96 + j) % 100) for j in range(8)]  # k = 96 .. 103 -> 3, 2, 1, 0, 99, 98, 97, 96
+
+
+def test_read_order(tmp_path):
+    examples = [{"id": f"q{i}"} for i in range(5)]
+    path = tmp_path / "order.txt"
+    path.write_text("q3\nq0\n\nq4\n")
+    assert read_order(path, examples) == [3, 0, 4]
+    path.write_text("q3\nq0\nq9\n")
+    with pytest.raises(data.DataError, match=f"{path}:3: id 'q9' is not in the dataset"):
+        read_order(path, examples)
+    path.write_text("\n")
+    with pytest.raises(data.DataError, match="no ids"):
+        read_order(path, examples)
