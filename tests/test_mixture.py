@@ -117,7 +117,8 @@ def test_curriculum_resume_continues_the_order():
     """A resumed run computes step 25 from (seed, step) alone and continues the order where step 24 left it."""
     orders = [ORDER, None, None, [1, 2, 3]]
     run = draws([0.4, 0.3, 0.2, 0.1], 40, seed=3, orders=orders)
-    for step in (0, 25, 39):
+    for step in (25, 39, 0):
+        data._DRAWN.clear()  # a fresh process: nothing remembered of the steps before
         alone, _ = mixture_questions_and_seeds(SIZES, [0.4, 0.3, 0.2, 0.1], 8, 4, 3, step, orders)
         assert alone == run[step]
     drawn = [i for picks in run for d, i in picks if d == 0]
