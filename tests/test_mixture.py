@@ -6,6 +6,7 @@ but the draws are seeded, so a test either always passes or always fails).
 """
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ import expert_iter
 import grpo
 from data import mixture_questions_and_seeds, parse_mixture, read_order
 
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # one folder per dataset
 SIZES = [100, 60, 40, 80]  # four datasets, as gsm8k, math, mbpp, ifeval in a four-way mixture
 
 
@@ -143,3 +145,21 @@ def test_read_order(tmp_path):
     path.write_text("\n")
     with pytest.raises(data.DataError, match="no ids"):
         read_order(path, examples)
+
+
+def test_four_way_mixture_on_the_shared_data(tmp_path):
+    """The issue's mixture on the real train splits, with a curriculum for MBPP: 200 steps of 16 questions, N = 3200,
+    each dataset 800 +- 98 (4 sigma); every pick's example names the verifier of its dataset."""
+    mixture = parse_mixture("gsm8k:0.25,math:0.25,mbpp:0.25,ifeval:0.25")
+    train = [data.load(name, "train", DATA / name) for name, _ in mixture]
+    mbpp_ids = [ex["id"] for ex in train[2]][::-1]  # the file backwards, as a stand-in for easiest-first
+    (tmp_path / "mbpp_order.txt").write_text("\n".join(mbpp_ids) + "\n")
+    orders = [None, None, read_order(tmp_path / "mbpp_order.txt", train[2]), None]
+    sizes, weights = [len(examples) for examples in train], [w for _, w in mixture]
+    steps = draws(weights, 200, n_prompts=16, orders=orders, sizes=sizes)
+    counts = [sum(d == k for picks in steps for d, _ in picks) for k in range(4)]
+    assert all(abs(c - 800) <= 4 * math.sqrt(3200 * 0.25 * 0.75) for c in counts), counts
+    verifier = {"gsm8k": "gsm8k", "math": "math", "mbpp": "code", "ifeval": "ifeval"}
+    assert all(train[d][i]["verifier"] == verifier[mixture[d][0]] for picks in steps for d, i in picks)
+    mbpp_drawn = [train[2][i]["id"] for picks in steps for d, i in picks if d == 2]
+    assert mbpp_drawn == [mbpp_ids[k % len(mbpp_ids)] for k in range(counts[2])]
