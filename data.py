@@ -19,6 +19,8 @@
 3. The synthetic task: `make_synthetic(n, seed, ...)`, and `flawed_teacher`: its solutions by a teacher who errs.
 4. Prompt templates: `render_prompt` (what the model is given), `render_response` (the SFT target),
    `stop_strings` (where generation stops) and `gsm8k_fewshot` (the k-shot exemplars).
+5. Mixtures: `parse_mixture("gsm8k:0.5,math:0.5")`, `read_order` (a curriculum file of ids) and
+   `mixture_questions_and_seeds`: the questions of a training step, drawn by weight from (seed, step) alone.
 
 data_dir=None reads the Hugging Face hub; data_dir="../shared/data" (the data root: gsm8k/, math/, ... one folder per
 dataset, see `dataset_dir`) reads the local JSONL copies. Both run the same checks: a bad row raises DataError naming
