@@ -778,11 +778,10 @@ def read_order(path: str | Path, examples: list[dict]) -> list[int]:
     index = {ex["id"]: i for i, ex in enumerate(examples)}
     order = []
     for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        if line.strip() not in index:
-            raise DataError(f"{path}:{line_no}: id {line.strip()!r} is not in the dataset")
-        order.append(index[line.strip()])
+        id = line.strip()
+        if id and id not in index:
+            raise DataError(f"{path}:{line_no}: id {id!r} is not in the dataset")
+        order += [index[id]] if id else []
     if not order:
         raise DataError(f"{path}: no ids")
     return order
