@@ -779,9 +779,11 @@ def read_order(path: str | Path, examples: list[dict]) -> list[int]:
     order = []
     for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
         id = line.strip()
-        if id and id not in index:
+        if not id:
+            continue
+        if id not in index:
             raise DataError(f"{path}:{line_no}: id {id!r} is not in the dataset")
-        order += [index[id]] if id else []
+        order.append(index[id])
     if not order:
         raise DataError(f"{path}: no ids")
     return order
