@@ -19,8 +19,9 @@
 3. The synthetic task: `make_synthetic(n, seed, ...)`, and `flawed_teacher`: its solutions by a teacher who errs.
 4. Prompt templates: `render_prompt` (what the model is given), `render_response` (the SFT target),
    `stop_strings` (where generation stops) and `gsm8k_fewshot` (the k-shot exemplars).
-5. Mixtures: `parse_mixture("gsm8k:0.5,math:0.5")`, `read_order` (a curriculum file of ids) and
-   `mixture_questions_and_seeds`: the questions of a training step, drawn by weight from (seed, step) alone.
+5. Mixtures: `parse_mixture("gsm8k:0.5,math:0.5")`, `read_order` (a curriculum file of ids), `dataset_templates`,
+   `eval_split`, `load_mixture` (all datasets' examples, each naming its dataset) and `mixture_questions_and_seeds`:
+   the questions of a training step, drawn by weight from (seed, step) alone.
 
 data_dir=None reads the Hugging Face hub; data_dir="../shared/data" (the data root: gsm8k/, math/, ... one folder per
 dataset, see `dataset_dir`) reads the local JSONL copies. Both run the same checks: a bad row raises DataError naming
@@ -787,6 +788,48 @@ def read_order(path: str | Path, examples: list[dict]) -> list[int]:
     if not order:
         raise DataError(f"{path}: no ids")
     return order
+
+
+def parse_per_dataset(pairs: list[str], names: list[str], flag: str) -> dict[str, str]:
+    """["mbpp=order.txt", ...] -> {"mbpp": "order.txt"}: a flag's value for some datasets of the mixture `names`
+    (--curriculum, --dataset-templates). A malformed pair or a dataset not in the mixture raises ValueError."""
+    values = {}
+    for pair in pairs:
+        name, equals, value = (part.strip() for part in pair.partition("="))
+        if not (name and equals and value):
+            raise ValueError(f"{flag} {pair!r}: write dataset=value")
+        if name not in names or name in values:
+            raise ValueError(f"{flag} {pair!r}: {name!r} is not in the mixture {names}, or is given twice")
+        values[name] = value
+    return values
+
+
+def dataset_templates(names: list[str], template: str, overrides: list[str]) -> dict[str, str]:
+    """Each dataset's prompt template: `template`, or its own from --dataset-templates ("ifeval=question").
+    IFEval under r1_zero is refused: its verifier checks the whole response, and an R1-Zero response is reasoning in
+    tags that stops at "</answer>", so "end with this phrase" or "answer in JSON" could never be followed."""
+    templates = {name: template for name in names} | parse_per_dataset(overrides, names, "--dataset-templates")
+    for name, name_template in templates.items():
+        if name_template not in TEMPLATES:
+            raise ValueError(f"template {name_template!r} of {name!r}: unknown; choose from {list(TEMPLATES)}")
+        if name == "ifeval" and name_template == "r1_zero":
+            raise ValueError("ifeval is scored on the whole response, not on <answer>: give it its own template, "
+                             "--dataset-templates ifeval=question (or --template question)")  # fmt: skip
+    return templates
+
+
+def eval_split(dataset: str, split: str) -> str:
+    """The split `dataset` is evaluated on: `split`, or test where that is "val" and there is none (MATH, IFEval)."""
+    return "test" if split == "val" and "val" not in SPLITS[dataset] else split
+
+
+def load_mixture(names: list[str], split: str, data_dir, order_files: dict[str, str] | None = None) -> tuple:
+    """The examples of `split` of every dataset, one dataset after another, each tagged "dataset": its name; the
+    size of each dataset; and each one's curriculum (read_order of order_files[name]) or None."""
+    sets = [[{**ex, "dataset": name} for ex in load(name, split, data_dir)] for name in names]
+    files = order_files or {}
+    orders = [read_order(files[name], s) if name in files else None for name, s in zip(names, sets, strict=True)]
+    return [ex for s in sets for ex in s], [len(s) for s in sets], orders
 
 
 def _step_datasets(weights: list[float], n_prompts: int, seed: int, step: int) -> tuple:

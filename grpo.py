@@ -52,7 +52,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -102,11 +102,16 @@ class Args:
 
     # --- data ---
     dataset: str = "gsm8k"
-    """gsm8k | math | synthetic: questions are drawn from its train split, evaluation uses --eval-split"""
+    """gsm8k | math | mbpp | ifeval | synthetic, or a mixture with weights, gsm8k:0.25,math:0.25,mbpp:0.25,ifeval:0.25:
+    each question's dataset is drawn by weight; questions come from the train splits, evaluation from --eval-split"""
     data_dir: str | None = None
     """data root with one folder per dataset (e.g. ../shared/data: gsm8k/, math/, ...); None: the Hugging Face hub"""
     template: str = "r1_zero"
     """prompt template from data.py (r1_zero | question | chat); use the one the starting checkpoint was trained on"""
+    dataset_templates: list[str] = field(default_factory=list)
+    """a template for some datasets of the mixture instead of --template, e.g. ifeval=question"""
+    curriculum: list[str] = field(default_factory=list)
+    """order files (one example id a line) for some datasets, e.g. mbpp=order.txt: their questions come in that order"""
 
     # --- generation ---
     n_grpo_steps: int = 200
@@ -168,9 +173,9 @@ class Args:
 
     # --- eval ---
     eval_split: str = "val"
-    """split of --dataset to evaluate on (MATH has no val: use test)"""
+    """split each dataset is evaluated on; val falls back to test where a dataset has none (MATH, IFEval)"""
     n_eval: int = 512
-    """problems evaluated, greedy, from the start of the eval split"""
+    """problems evaluated per dataset, greedy, from the start of its eval split"""
     eval_every: int = 10
     """evaluate every this many GRPO steps (and at the start and the end)"""
     eval_max_tokens: int = 1024
@@ -452,15 +457,27 @@ def catch_up_scheduler(scheduler, n_steps_done: int, updates_per_step: int) -> N
 # --- ALGORITHM: the questions of a step (same in expert_iter.py and grpo.py) ---
 
 
-def step_questions_and_seeds(n_questions: int, n_prompts: int, group_size: int, seed: int, step: int):
-    """The questions of step `step` (distinct indices into the train split) and the engine's sampling seed for each.
+def step_questions_and_seeds(sizes: list[int], weights: list[float], orders: list, n_prompts: int, group_size: int,
+                             seed: int, step: int) -> tuple[list[int], list[int]]:  # fmt: skip
+    """The questions of step `step` (indices into the train examples of all datasets, one dataset after another) and
+    the engine's sampling seed for each: data.mixture_questions_and_seeds, each question's dataset drawn by weight.
     Derived from (seed, step) alone, so a resumed run draws and samples exactly what an uninterrupted run would.
     vLLM gives the n samples of a request the seeds s, s + 1, ..., s + n - 1: requests are spaced group_size apart,
     or two questions would share a random stream."""
-    rng = np.random.default_rng([seed, step])
-    indices = rng.choice(n_questions, size=n_prompts, replace=False).tolist()
-    first_seed = int(rng.integers(2**30))
-    return indices, [first_seed + j * group_size for j in range(n_prompts)]
+    picks, seeds = data.mixture_questions_and_seeds(sizes, weights, n_prompts, group_size, seed, step, orders)
+    starts = np.cumsum([0, *sizes]).tolist()  # where each dataset's examples begin
+    return [starts[d] + i for d, i in picks], seeds
+
+
+def rollout_metrics_by_dataset(names: list[str], examples: list[dict], rewards: list[list[float]]) -> dict:
+    """Per task: rollout/<dataset>/count (questions drawn this step) and rollout/<dataset>/reward_mean (over their
+    responses; NaN, logged as null, when none was drawn). examples: Q questions, rewards: Q lists of G."""
+    metrics = {}
+    for name in names:
+        drawn = [group for ex, group in zip(examples, rewards, strict=True) if ex["dataset"] == name]
+        metrics[f"rollout/{name}/count"] = len(drawn)
+        metrics[f"rollout/{name}/reward_mean"] = float(np.mean(drawn)) if drawn else math.nan
+    return metrics
 
 
 # --- ALGORITHM: rollouts as training tensors ---
@@ -542,7 +559,8 @@ def write_rollouts(path: Path, step: int, examples, prompts, completions, reward
     records = []
     for j, (ex, prompt) in enumerate(zip(examples, prompts, strict=True)):
         group = range(j * group_size, (j + 1) * group_size)
-        records.append({"step": step, "id": ex["id"], "answer": ex["answer"], "prompt": prompt,
+        records.append({"step": step, "dataset": ex["dataset"], "id": ex["id"], "answer": ex["answer"],
+                        "prompt": prompt,
                         "responses": [completions[i].text for i in group],
                         "rewards": [rewards[i].item() for i in group],
                         "advantages": [advantages[i].item() for i in group],
@@ -762,13 +780,17 @@ def evaluate(llm: LLM, examples: list[dict], prompts: list[str], template: str, 
             {"id": example["id"], "prompt": prompt, "response": completion.text, "answer": example["answer"],
              "reward": reward, "n_tokens": len(completion.token_ids), "truncated": completion.finish_reason == "length"}
         )  # fmt: skip
-    metrics = {
+    return eval_metrics(records), records
+
+
+def eval_metrics(records: list[dict]) -> dict:
+    """The evaluation's means over evaluate's records (of one dataset, or of all the datasets of a mixture)."""
+    return {
         "eval/accuracy": float(np.mean([r["reward"]["reward"] for r in records])),
         "eval/format_rate": float(np.mean([r["reward"]["format_reward"] for r in records])),
         "eval/response_length": float(np.mean([r["n_tokens"] for r in records])),
         "eval/truncation_rate": float(np.mean([r["truncated"] for r in records])),
     }
-    return metrics, records
 
 
 def log_generations(policy, tokenizer, records: list[dict], policy_device: str) -> tuple[dict, list[dict]]:
@@ -949,6 +971,10 @@ def make_logger(run_dir: Path, track: bool, wandb_project: str, config: dict):
 def main(args: Args) -> Path:
     args = restore_args(args)  # --resume: the stopped run's arguments
     check_args(args)
+    mixture = data.parse_mixture(args.dataset)  # a bad spec stops here, before the engine starts
+    names, weights = [name for name, _ in mixture], [weight for _, weight in mixture]
+    templates = data.dataset_templates(names, args.template, args.dataset_templates)
+    order_files = data.parse_per_dataset(args.curriculum, names, "--curriculum")
     # --- PLUMBING: run folder, devices, engine, seeds, policy (the same steps in every script) ---
     run_dir = make_run_dir(args.output_dir, args.exp_name, args.seed, args.resume, asdict(args))
     policy_device, vllm_device, memory_fraction, reload_tol = resolve_devices(
@@ -958,14 +984,18 @@ def main(args: Args) -> Path:
     model_path = str(checkpoint) if checkpoint else args.model
     print(f"run folder {run_dir}; trainer on {policy_device}, vLLM on {vllm_device}; starting from {model_path}")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_examples = data.load(args.dataset, "train", args.data_dir)
-    train_prompts = [data.render_prompt(ex, args.template, tokenizer) for ex in train_examples]
-    eval_examples = data.load(args.dataset, args.eval_split, args.data_dir)[: args.n_eval]
-    eval_prompts = [data.render_prompt(ex, args.template, tokenizer) for ex in eval_examples]
+    # All datasets' train examples, one dataset after another; each names its dataset (ex["dataset"]).
+    train_examples, sizes, orders = data.load_mixture(names, "train", args.data_dir, order_files)
+    train_prompts = [data.render_prompt(ex, templates[ex["dataset"]], tokenizer) for ex in train_examples]
+    eval_examples = {name: data.load(name, data.eval_split(name, args.eval_split), args.data_dir)[: args.n_eval]
+                     for name in names}  # fmt: skip
+    eval_prompts = {name: [data.render_prompt(ex, templates[name], tokenizer) for ex in examples]
+                    for name, examples in eval_examples.items()}  # fmt: skip
     n_prompts = args.rollout_batch_size // args.group_size
-    if n_prompts > len(train_examples):
-        raise ValueError(f"{n_prompts} questions per step, but the train split has {len(train_examples)}")
-    longest_prompt = max(len(ids) for ids in tokenizer(train_prompts + eval_prompts)["input_ids"])
+    if n_prompts > min(size for size, weight in zip(sizes, weights, strict=True) if weight > 0):
+        raise ValueError(f"{n_prompts} questions per step, but a train split of {names} has only {min(sizes)}")
+    all_prompts = train_prompts + [prompt for prompts in eval_prompts.values() for prompt in prompts]
+    longest_prompt = max(len(ids) for ids in tokenizer(all_prompts)["input_ids"])
     # The engine's context must hold a prompt and its response, and the 400-token reload probes plus 8 tokens.
     max_model_len = max(longest_prompt, 400) + max(args.max_tokens, args.eval_max_tokens, 8)
     # The engine first, while the GPU is empty: vLLM's request_memory refuses to start unless gpu_memory_utilization
@@ -980,8 +1010,8 @@ def main(args: Args) -> Path:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # logprobs=0: the engine also returns each sampled token's log-prob (free), for the mismatch correction
     sampling = dict(n=args.group_size, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                    stop=data.stop_strings(args.template) or None, include_stop_str_in_output=True,
-                    logprobs=0)  # fmt: skip
+                    include_stop_str_in_output=True, logprobs=0)  # fmt: skip
+    stops = {name: data.stop_strings(template) or None for name, template in templates.items()}  # each template's
     probe_prompts = make_probe_prompts(tokenizer, [train_prompts[i] + train_examples[i]["solution"] for i in range(8)])
 
     # --- Optimizer and resume ---
@@ -995,9 +1025,17 @@ def main(args: Args) -> Path:
     reload_tol = check_reload_at_start(policy, llm, probe_prompts, vllm_device, reload_tol)
 
     def evaluate_policy(step: int) -> dict:
-        """Greedy evaluation through the engine (which follows the policy: checked at every reload)."""
+        """Greedy evaluation through the engine (which follows the policy: checked at every reload), each dataset on
+        its own eval split with its own template: eval/<dataset>/accuracy, and the totals over all of them."""
         t0 = time.time()
-        metrics, records = evaluate(llm, eval_examples, eval_prompts, args.template, args.eval_max_tokens, vllm_device)
+        metrics, records = {}, []
+        for name, examples in eval_examples.items():
+            part, part_records = evaluate(
+                llm, examples, eval_prompts[name], templates[name], args.eval_max_tokens, vllm_device
+            )
+            metrics[f"eval/{name}/accuracy"] = part["eval/accuracy"]
+            records += part_records
+        metrics.update(eval_metrics(records))
         sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations], policy_device)
         append_jsonl(run_dir / "generations.jsonl", [{"step": step, **sample} for sample in samples])
         print(f"step {step:5d} | eval accuracy {metrics['eval/accuracy']:.3f} format {metrics['eval/format_rate']:.3f}")
@@ -1011,9 +1049,10 @@ def main(args: Args) -> Path:
     for step in range(start_step, args.n_grpo_steps):
         t_step = time.time()
         # --- 1. Generate: group_size responses to each of the step's questions ---
-        indices, seeds = step_questions_and_seeds(len(train_examples), n_prompts, args.group_size, args.seed, step)
+        indices, seeds = step_questions_and_seeds(sizes, weights, orders, n_prompts, args.group_size, args.seed, step)
         examples = [train_examples[i] for i in indices]
-        params = [SamplingParams(**sampling, seed=seed) for seed in seeds]
+        params = [SamplingParams(**sampling, stop=stops[ex["dataset"]], seed=seed)
+                  for ex, seed in zip(examples, seeds, strict=True)]  # fmt: skip
         with engine_device(vllm_device):
             outputs = llm.generate([train_prompts[i] for i in indices], params, use_tqdm=False)
         # Flattened, group by group: responses j * G ... j * G + G - 1 answer question j.  (B,) lists, B = n_prompts G
@@ -1114,6 +1153,7 @@ def main(args: Args) -> Path:
         extra = {"train/lr": scheduler.get_last_lr()[0], "reload/logprob_gap": gap, "time/generate": t_generate,
                  "time/score": t_score, "time/train": t_train, "time/reload": t_reload}  # fmt: skip
         metrics = step_metrics(reward_metadata, completions, len(rows), sums, extra, args)
+        metrics.update(rollout_metrics_by_dataset(names, examples, raw_rewards.view(-1, args.group_size).tolist()))
         if step_done % args.eval_every == 0 or step_done == args.n_grpo_steps:
             metrics.update(evaluate_policy(step_done))
         metrics["time/step"] = time.time() - t_step
