@@ -44,7 +44,7 @@ import random
 import shutil
 import time
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -88,11 +88,16 @@ class Args:
 
     # --- data ---
     dataset: str = "gsm8k"
-    """gsm8k | math | synthetic: questions are drawn from its train split, evaluation uses --eval-split"""
+    """gsm8k | math | mbpp | ifeval | synthetic, or a mixture with weights, gsm8k:0.25,math:0.25,mbpp:0.25,ifeval:0.25:
+    each question's dataset is drawn by weight; questions come from the train splits, evaluation from --eval-split"""
     data_dir: str | None = None
     """data root with one folder per dataset (e.g. ../shared/data: gsm8k/, math/, ...); None: the Hugging Face hub"""
     template: str = "r1_zero"
     """prompt template from data.py (r1_zero | question | chat) for sampling and evaluation"""
+    dataset_templates: list[str] = field(default_factory=list)
+    """a template for some datasets of the mixture instead of --template, e.g. ifeval=question"""
+    curriculum: list[str] = field(default_factory=list)
+    """order files (one example id a line) for some datasets, e.g. mbpp=order.txt: their questions come in that order"""
     max_seq_len: int = 1536
     """longest prompt + response trained on, in tokens; longer ones are cut at the end"""
 
@@ -128,9 +133,9 @@ class Args:
 
     # --- eval ---
     eval_split: str = "val"
-    """split of --dataset to evaluate on (MATH has no val: use test)"""
+    """split each dataset is evaluated on; val falls back to test where a dataset has none (MATH, IFEval)"""
     n_eval: int = 256
-    """problems evaluated, greedy, from the start of the eval split"""
+    """problems evaluated per dataset, greedy, from the start of its eval split"""
     eval_every: int = 1
     """evaluate every this many EI steps (and at the start and the end)"""
     eval_max_tokens: int = 1024
@@ -267,15 +272,27 @@ def select_correct(
 # --- ALGORITHM: the questions of a step (same in expert_iter.py and grpo.py) ---
 
 
-def step_questions_and_seeds(n_questions: int, n_prompts: int, group_size: int, seed: int, step: int):
-    """The questions of step `step` (distinct indices into the train split) and the engine's sampling seed for each.
+def step_questions_and_seeds(sizes: list[int], weights: list[float], orders: list, n_prompts: int, group_size: int,
+                             seed: int, step: int) -> tuple[list[int], list[int]]:  # fmt: skip
+    """The questions of step `step` (indices into the train examples of all datasets, one dataset after another) and
+    the engine's sampling seed for each: data.mixture_questions_and_seeds, each question's dataset drawn by weight.
     Derived from (seed, step) alone, so a resumed run draws and samples exactly what an uninterrupted run would.
     vLLM gives the n samples of a request the seeds s, s + 1, ..., s + n - 1: requests are spaced group_size apart,
     or two questions would share a random stream."""
-    rng = np.random.default_rng([seed, step])
-    indices = rng.choice(n_questions, size=n_prompts, replace=False).tolist()
-    first_seed = int(rng.integers(2**30))
-    return indices, [first_seed + j * group_size for j in range(n_prompts)]
+    picks, seeds = data.mixture_questions_and_seeds(sizes, weights, n_prompts, group_size, seed, step, orders)
+    starts = np.cumsum([0, *sizes]).tolist()  # where each dataset's examples begin
+    return [starts[d] + i for d, i in picks], seeds
+
+
+def rollout_metrics_by_dataset(names: list[str], examples: list[dict], rewards: list[list[float]]) -> dict:
+    """Per task: rollout/<dataset>/count (questions drawn this step) and rollout/<dataset>/reward_mean (over their
+    responses; NaN, logged as null, when none was drawn). examples: Q questions, rewards: Q lists of G."""
+    metrics = {}
+    for name in names:
+        drawn = [group for ex, group in zip(examples, rewards, strict=True) if ex["dataset"] == name]
+        metrics[f"rollout/{name}/count"] = len(drawn)
+        metrics[f"rollout/{name}/reward_mean"] = float(np.mean(drawn)) if drawn else math.nan
+    return metrics
 
 
 # --- PLUMBING: the vLLM engine and its weight reloads (same in sft.py, expert_iter.py and grpo.py) ---
@@ -438,13 +455,17 @@ def evaluate(llm: LLM, examples: list[dict], prompts: list[str], template: str, 
             {"id": example["id"], "prompt": prompt, "response": completion.text, "answer": example["answer"],
              "reward": reward, "n_tokens": len(completion.token_ids), "truncated": completion.finish_reason == "length"}
         )  # fmt: skip
-    metrics = {
+    return eval_metrics(records), records
+
+
+def eval_metrics(records: list[dict]) -> dict:
+    """The evaluation's means over evaluate's records (of one dataset, or of all the datasets of a mixture)."""
+    return {
         "eval/accuracy": float(np.mean([r["reward"]["reward"] for r in records])),
         "eval/format_rate": float(np.mean([r["reward"]["format_reward"] for r in records])),
         "eval/response_length": float(np.mean([r["n_tokens"] for r in records])),
         "eval/truncation_rate": float(np.mean([r["truncated"] for r in records])),
     }
-    return metrics, records
 
 
 def log_generations(policy, tokenizer, records: list[dict], policy_device: str) -> tuple[dict, list[dict]]:
@@ -626,6 +647,14 @@ def main(args: Args) -> Path:
     args = restore_args(args)  # --resume: the stopped run's arguments
     if args.group_size > 1 and args.temperature == 0:
         raise ValueError(f"group_size={args.group_size} greedy samples would be one response; set --temperature")
+    mixture = data.parse_mixture(args.dataset)  # a bad spec stops here, before the engine starts
+    names, weights = [name for name, _ in mixture], [weight for _, weight in mixture]
+    templates = data.dataset_templates(names, args.template, args.dataset_templates)
+    order_files = data.parse_per_dataset(args.curriculum, names, "--curriculum")
+    # All datasets' train examples, one dataset after another; each names its dataset (ex["dataset"]).
+    train_examples, sizes, orders = data.load_mixture(names, "train", args.data_dir, order_files)
+    if args.n_questions > min(size for size, weight in zip(sizes, weights, strict=True) if weight > 0):
+        raise ValueError(f"n_questions={args.n_questions} is more than a train split of {names} has ({min(sizes)})")
     # --- PLUMBING: run folder, devices, engine, seeds, policy (the same steps in every script) ---
     run_dir = make_run_dir(args.output_dir, args.exp_name, args.seed, args.resume, asdict(args))
     policy_device, vllm_device, memory_fraction, reload_tol = resolve_devices(
@@ -643,12 +672,12 @@ def main(args: Args) -> Path:
     policy, autocast = seed_and_load_policy(model_path, policy_device, args.gradient_checkpointing, args.seed)
 
     # --- Data, optimizer, resume ---
-    train_examples = data.load(args.dataset, "train", args.data_dir)
-    if args.n_questions > len(train_examples):
-        raise ValueError(f"n_questions={args.n_questions} is more than the {len(train_examples)} train questions")
-    eval_examples = data.load(args.dataset, args.eval_split, args.data_dir)[: args.n_eval]
-    eval_prompts = [data.render_prompt(ex, args.template, tokenizer) for ex in eval_examples]
-    render = lambda ex: data.render_prompt(ex, args.template, tokenizer) + data.render_response(ex, args.template)
+    eval_examples = {name: data.load(name, data.eval_split(name, args.eval_split), args.data_dir)[: args.n_eval]
+                     for name in names}  # fmt: skip
+    eval_prompts = {name: [data.render_prompt(ex, templates[name], tokenizer) for ex in examples]
+                    for name, examples in eval_examples.items()}  # fmt: skip
+    template_of = lambda ex: templates[ex["dataset"]]
+    render = lambda ex: data.render_prompt(ex, template_of(ex), tokenizer) + data.render_response(ex, template_of(ex))
     probe_prompts = make_probe_prompts(tokenizer, [render(ex) for ex in train_examples[:8]])
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps)
@@ -656,12 +685,21 @@ def main(args: Args) -> Path:
     log = make_logger(run_dir, args.track, args.wandb_project, asdict(args))
     reload_tol = check_reload_at_start(policy, llm, probe_prompts, vllm_device, reload_tol)
     sampling = dict(n=args.group_size, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                    stop=data.stop_strings(args.template) or None, include_stop_str_in_output=True)  # fmt: skip
+                    include_stop_str_in_output=True)  # fmt: skip
+    stops = {name: data.stop_strings(template) or None for name, template in templates.items()}  # each template's
 
     def evaluate_policy(step: int) -> dict:
-        """Greedy evaluation through the engine (which follows the policy: checked at every reload)."""
+        """Greedy evaluation through the engine (which follows the policy: checked at every reload), each dataset on
+        its own eval split with its own template: eval/<dataset>/accuracy, and the totals over all of them."""
         t0 = time.time()
-        metrics, records = evaluate(llm, eval_examples, eval_prompts, args.template, args.eval_max_tokens, vllm_device)
+        metrics, records = {}, []
+        for name, examples in eval_examples.items():
+            part, part_records = evaluate(
+                llm, examples, eval_prompts[name], templates[name], args.eval_max_tokens, vllm_device
+            )
+            metrics[f"eval/{name}/accuracy"] = part["eval/accuracy"]
+            records += part_records
+        metrics.update(eval_metrics(records))
         sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations], policy_device)
         append_jsonl(run_dir / "generations.jsonl", [{"step": step, **sample} for sample in samples])
         print(f"step {step:5d} | eval accuracy {metrics['eval/accuracy']:.3f} format {metrics['eval/format_rate']:.3f}")
@@ -682,11 +720,12 @@ def main(args: Args) -> Path:
         # 2. Sample group_size responses to each of this step's questions.
         t0 = time.time()
         indices, seeds = step_questions_and_seeds(
-            len(train_examples), args.n_questions, args.group_size, args.seed, step
+            sizes, weights, orders, args.n_questions, args.group_size, args.seed, step
         )
         examples = [train_examples[i] for i in indices]
-        prompts = [data.render_prompt(ex, args.template, tokenizer) for ex in examples]
-        params = [SamplingParams(**sampling, seed=seed) for seed in seeds]
+        prompts = [data.render_prompt(ex, template_of(ex), tokenizer) for ex in examples]
+        params = [SamplingParams(**sampling, stop=stops[ex["dataset"]], seed=seed)
+                  for ex, seed in zip(examples, seeds, strict=True)]  # fmt: skip
         with engine_device(vllm_device):
             completions = [output.outputs for output in llm.generate(prompts, params, use_tqdm=True)]  # Q lists of G
         time_generate = time.time() - t0
@@ -705,7 +744,8 @@ def main(args: Args) -> Path:
         rewards = [[s["reward"] for s in group] for group in scores]  # (Q, G)
         kept = select_correct(examples, prompts, responses, rewards)
         append_jsonl(run_dir / "kept.jsonl", [
-            {"step": step_done, "id": p["example"]["id"], "prompt": p["prompt"], "response": p["response"],
+            {"step": step_done, "dataset": p["example"]["dataset"], "id": p["example"]["id"], "prompt": p["prompt"],
+             "response": p["response"],
              "answer": p["example"]["answer"], "verifier": p["example"]["verifier"]} for p in kept
         ])  # fmt: skip
         # Lengths as generated (EOS excluded), looked up by question and text.
@@ -722,6 +762,7 @@ def main(args: Args) -> Path:
             "rollout/kept_length": float(np.mean(kept_lengths or np.nan)),
             "reload/logprob_gap": gap,
             "time/score": time.time() - t0,
+            **rollout_metrics_by_dataset(names, examples, rewards),
         }
 
         # 4. Fine-tune on the kept responses: n_sft_epochs passes, a fresh order per (seed, step, epoch).

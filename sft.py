@@ -34,7 +34,7 @@ import random
 import shutil
 import time
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +78,8 @@ class Args:
 
     # --- data ---
     dataset: str = "gsm8k"
-    """gsm8k | math | synthetic: trained on its train split (unless --sft-file) and evaluated on --eval-split"""
+    """gsm8k | math | mbpp | synthetic, or a mixture with weights, gsm8k:0.5,math:0.25,mbpp:0.25 (build_sft_pairs):
+    trained on the train splits (unless --sft-file), each dataset evaluated on --eval-split"""
     data_dir: str | None = None
     """data root with one folder per dataset (e.g. ../shared/data: gsm8k/, math/, ...); None: the Hugging Face hub"""
     sft_file: str | None = None
@@ -86,8 +87,10 @@ class Args:
     "answer" and "verifier" (needed by --filter-correct)"""
     template: str = "r1_zero"
     """prompt template from data.py (r1_zero | question | chat) for the dataset's solutions and for evaluation"""
+    dataset_templates: list[str] = field(default_factory=list)
+    """a template for some datasets of the mixture instead of --template, e.g. mbpp=question"""
     n_examples: int | None = None
-    """train on the first n examples only (128, 256, ...); None: all"""
+    """train on the first n examples only (128, 256, ...), of a mixture n in all; None: all (build_sft_pairs)"""
     filter_correct: bool = False
     """keep only training responses whose final answer the verifier accepts"""
     max_seq_len: int = 1024
@@ -111,9 +114,9 @@ class Args:
 
     # --- eval ---
     eval_split: str = "val"
-    """split of --dataset to evaluate on (MATH has no val: use test, or train on math and watch math500)"""
+    """split each dataset is evaluated on; val falls back to test where a dataset has none (MATH: or watch math500)"""
     n_eval: int = 256
-    """problems evaluated, greedy, from the start of the eval split"""
+    """problems evaluated per dataset, greedy, from the start of its eval split"""
     eval_every: int = 50
     """evaluate every this many optimizer steps (and at the start and the end)"""
     eval_max_tokens: int = 512
@@ -247,27 +250,51 @@ def read_sft_file(path: str) -> list[dict]:
 
 
 def build_sft_pairs(args: Args, tokenizer) -> list[dict]:
-    """The training pairs {"prompt", "response", "example"}: from --sft-file, or the dataset's worked solutions."""
+    """The training pairs {"prompt", "response", "example"}: from --sft-file, or the datasets' worked solutions.
+    A mixture (mix_pairs) takes from each dataset the share of the pairs its weight asks."""
+    mixture = data.parse_mixture(args.dataset)
     if args.sft_file:
-        pairs = [{"prompt": r["prompt"], "response": r["response"], "example": r} for r in read_sft_file(args.sft_file)]
+        rows = read_sft_file(args.sft_file)
+        pair_sets = [[{"prompt": r["prompt"], "response": r["response"], "example": r} for r in rows]]
     else:
-        examples = data.load(args.dataset, "train", args.data_dir)
-        pairs = [{"prompt": data.render_prompt(ex, args.template, tokenizer),
-                  "response": data.render_response(ex, args.template), "example": ex} for ex in examples]  # fmt: skip
+        templates = data.dataset_templates([name for name, _ in mixture], args.template, args.dataset_templates)
+        pair_sets = [[{"prompt": data.render_prompt(ex, templates[name], tokenizer),
+                       "response": data.render_response(ex, templates[name]), "example": {**ex, "dataset": name}}
+                      for ex in data.load(name, "train", args.data_dir)] for name, _ in mixture]  # fmt: skip
     if args.filter_correct:
-        missing = [i for i, p in enumerate(pairs) if "answer" not in p["example"] or "verifier" not in p["example"]]
-        if missing:
-            raise ValueError(
-                f"--filter-correct needs 'answer' and 'verifier' in every row; row {missing[0] + 1} has not"
-            )
-        pairs = [p for p in pairs if verifiers.score(p["response"], p["example"])["reward"] == 1]
-    if args.n_examples is not None:
-        pairs = pairs[: args.n_examples]
+        for pairs in pair_sets:
+            missing = [i for i, p in enumerate(pairs) if "answer" not in p["example"] or "verifier" not in p["example"]]
+            if missing:
+                raise ValueError(
+                    f"--filter-correct needs 'answer' and 'verifier' in every row; row {missing[0] + 1} has not"
+                )
+        pair_sets = [[p for p in pairs if verifiers.score(p["response"], p["example"])["reward"] == 1]
+                     for pairs in pair_sets]  # fmt: skip
+    weights = [1.0] if args.sft_file else [weight for _, weight in mixture]
+    pairs = mix_pairs(pair_sets, weights, args.n_examples, args.seed)
     for pair in pairs:  # the model must learn to stop: EOS is the last response token, and it is in the loss
         pair["response"] += tokenizer.eos_token
     if len(pairs) < args.batch_size:
         raise ValueError(f"{len(pairs)} training examples is fewer than one batch of {args.batch_size}")
     return pairs
+
+
+def mix_pairs(pair_sets: list[list[dict]], weights: list[float], n_examples: int | None, seed: int) -> list[dict]:
+    """One dataset: its first n_examples pairs (all if None), as before mixtures. A mixture: dataset d gives
+    floor(n w_d / sum(w)) pairs, a random subset drawn from (seed, d), where n is n_examples, or else the largest n
+    for which no dataset runs out (each pair then used at most once an epoch). batch_order shuffles them together,
+    so each batch holds the datasets in the weights' proportions on average, and the epoch exactly."""
+    if len(pair_sets) == 1:
+        return pair_sets[0][:n_examples]
+    shares = [weight / sum(weights) for weight in weights]
+    n = n_examples or int(min(len(pairs) / share for pairs, share in zip(pair_sets, shares, strict=True) if share))
+    mixed = []
+    for d, (pairs, share) in enumerate(zip(pair_sets, shares, strict=True)):
+        if int(n * share) > len(pairs):
+            raise ValueError(f"{n} examples: dataset {d + 1} of the mixture has {len(pairs)}, its weight asks for "
+                             f"{int(n * share)}; lower --n-examples")  # fmt: skip
+        mixed += [pairs[i] for i in np.random.default_rng([seed, d]).permutation(len(pairs))[: int(n * share)]]
+    return mixed
 
 
 def batch_order(n_pairs: int, batch_size: int, seed: int, step: int) -> list[int]:
@@ -439,13 +466,17 @@ def evaluate(llm: LLM, examples: list[dict], prompts: list[str], template: str, 
             {"id": example["id"], "prompt": prompt, "response": completion.text, "answer": example["answer"],
              "reward": reward, "n_tokens": len(completion.token_ids), "truncated": completion.finish_reason == "length"}
         )  # fmt: skip
-    metrics = {
+    return eval_metrics(records), records
+
+
+def eval_metrics(records: list[dict]) -> dict:
+    """The evaluation's means over evaluate's records (of one dataset, or of all the datasets of a mixture)."""
+    return {
         "eval/accuracy": float(np.mean([r["reward"]["reward"] for r in records])),
         "eval/format_rate": float(np.mean([r["reward"]["format_reward"] for r in records])),
         "eval/response_length": float(np.mean([r["n_tokens"] for r in records])),
         "eval/truncation_rate": float(np.mean([r["truncated"] for r in records])),
     }
-    return metrics, records
 
 
 def log_generations(policy, tokenizer, records: list[dict], policy_device: str) -> tuple[dict, list[dict]]:
@@ -625,6 +656,10 @@ def make_logger(run_dir: Path, track: bool, wandb_project: str, config: dict):
 
 def main(args: Args) -> Path:
     args = restore_args(args)  # --resume: the stopped run's arguments
+    names = [name for name, _ in data.parse_mixture(args.dataset)]  # a bad spec stops here, before the engine starts
+    templates = data.dataset_templates(names, args.template, args.dataset_templates)
+    if "ifeval" in names and not args.sft_file:
+        raise ValueError("ifeval has no worked solutions to fine-tune on: leave it out, or give --sft-file")
     # --- PLUMBING: run folder, devices, engine, seeds, policy (the same steps in every script) ---
     run_dir = make_run_dir(args.output_dir, args.exp_name, args.seed, args.resume, asdict(args))
     policy_device, vllm_device, memory_fraction, reload_tol = resolve_devices(
@@ -648,8 +683,10 @@ def main(args: Args) -> Path:
     response_ids = tokenizer([p["response"] for p in pairs], add_special_tokens=False)["input_ids"]
     n_truncated = sum(len(p) + len(r) > args.max_seq_len for p, r in zip(prompt_ids, response_ids, strict=True))
     print(f"{len(pairs)} training examples; {n_truncated} longer than {args.max_seq_len} tokens will be cut at the end")
-    eval_examples = data.load(args.dataset, args.eval_split, args.data_dir)[: args.n_eval]
-    eval_prompts = [data.render_prompt(ex, args.template, tokenizer) for ex in eval_examples]
+    eval_examples = {name: data.load(name, data.eval_split(name, args.eval_split), args.data_dir)[: args.n_eval]
+                     for name in names}  # fmt: skip
+    eval_prompts = {name: [data.render_prompt(ex, templates[name], tokenizer) for ex in examples]
+                    for name, examples in eval_examples.items()}  # fmt: skip
     probe_prompts = make_probe_prompts(tokenizer, [p["prompt"] + p["response"] for p in pairs[:8]])
     n_steps = args.n_epochs * (len(pairs) // args.batch_size)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -659,9 +696,17 @@ def main(args: Args) -> Path:
     reload_tol = check_reload_at_start(policy, llm, probe_prompts, vllm_device, reload_tol)
 
     def evaluate_policy(step: int) -> dict:
-        """Greedy evaluation through the engine (which follows the policy: checked at every reload)."""
+        """Greedy evaluation through the engine (which follows the policy: checked at every reload), each dataset on
+        its own eval split with its own template: eval/<dataset>/accuracy, and the totals over all of them."""
         t0 = time.time()
-        metrics, records = evaluate(llm, eval_examples, eval_prompts, args.template, args.eval_max_tokens, vllm_device)
+        metrics, records = {}, []
+        for name, examples in eval_examples.items():
+            part, part_records = evaluate(
+                llm, examples, eval_prompts[name], templates[name], args.eval_max_tokens, vllm_device
+            )
+            metrics[f"eval/{name}/accuracy"] = part["eval/accuracy"]
+            records += part_records
+        metrics.update(eval_metrics(records))
         sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations], policy_device)
         append_jsonl(run_dir / "generations.jsonl", [{"step": step, **sample} for sample in samples])
         print(f"step {step:5d} | eval accuracy {metrics['eval/accuracy']:.3f} format {metrics['eval/format_rate']:.3f}")
