@@ -55,13 +55,14 @@ def test_select_correct_uses_the_rewards_it_is_given():
 
 
 def test_questions_of_step_are_replayable_and_distinct():
-    a_indices, a_seeds = expert_iter.step_questions_and_seeds(1000, 64, 8, seed=1, step=3)
-    b_indices, b_seeds = expert_iter.step_questions_and_seeds(1000, 64, 8, seed=1, step=3)
+    draw = lambda seed, step: expert_iter.step_questions_and_seeds([1000], [1.0], [None], 64, 8, seed, step)
+    a_indices, a_seeds = draw(1, 3)
+    b_indices, b_seeds = draw(1, 3)
     assert (a_indices, a_seeds) == (b_indices, b_seeds)  # a resumed run replays the step
     assert len(set(a_indices)) == 64 and all(0 <= i < 1000 for i in a_indices)
     assert len(a_seeds) == 64
-    assert expert_iter.step_questions_and_seeds(1000, 64, 8, seed=1, step=4)[0] != a_indices
-    assert expert_iter.step_questions_and_seeds(1000, 64, 8, seed=2, step=3)[0] != a_indices
+    assert draw(1, 4)[0] != a_indices
+    assert draw(2, 3)[0] != a_indices
 
 
 # --- sft_batch_train_step: the mean NLL per response token (EOS included), however the batch is microbatched ---

@@ -370,12 +370,17 @@ def test_collate_token_ids_keeps_eos_when_pad_is_eos():
 
 
 def test_step_questions_and_seeds():
-    indices, seeds = step_questions_and_seeds(100, 8, 4, seed=1, step=3)
-    assert (indices, seeds) == step_questions_and_seeds(100, 8, 4, seed=1, step=3)  # a resumed run replays it
+    draw = lambda seed, step: step_questions_and_seeds([100], [1.0], [None], 8, 4, seed, step)
+    indices, seeds = draw(1, 3)
+    assert (indices, seeds) == draw(1, 3)  # a resumed run replays it
     assert len(set(indices)) == 8 and all(0 <= i < 100 for i in indices)
     assert all(b - a == 4 for a, b in zip(seeds, seeds[1:], strict=False))  # vLLM uses seed .. seed + n - 1
-    assert step_questions_and_seeds(100, 8, 4, seed=1, step=4) != (indices, seeds)
-    assert step_questions_and_seeds(100, 8, 4, seed=2, step=3) != (indices, seeds)
+    assert draw(1, 4) != (indices, seeds)
+    assert draw(2, 3) != (indices, seeds)
+    # A mixture: indices into the datasets' examples laid one after another (sizes 100, 50, 30)
+    picks, _ = grpo.data.mixture_questions_and_seeds([100, 50, 30], [1, 1, 1], 16, 4, 1, 3)
+    indices, _ = step_questions_and_seeds([100, 50, 30], [1, 1, 1], [None] * 3, 16, 4, 1, 3)
+    assert indices == [[0, 100, 150][d] + i for d, i in picks] and {d for d, _ in picks} == {0, 1, 2}
 
 
 @pytest.mark.parametrize(

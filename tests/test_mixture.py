@@ -6,13 +6,17 @@ but the draws are seeded, so a test either always passes or always fails).
 """
 
 import math
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 import data
 import expert_iter
 import grpo
+import sft
 from data import mixture_questions_and_seeds, parse_mixture, read_order
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # one folder per dataset
@@ -60,15 +64,24 @@ def test_parse_mixture_rejects(spec, named):
 # --- drawing the questions of a step ---
 
 
-def test_one_dataset_draws_exactly_as_the_scripts():
-    """A plain --dataset must replay every existing run: same questions, same sampling seeds, as both scripts."""
+def step_questions_and_seeds_before_mixtures(n_questions, n_prompts, group_size, seed, step):
+    """grpo.py's and expert_iter.py's draw before mixtures (ece0a0c), verbatim: what a plain --dataset replays."""
+    rng = np.random.default_rng([seed, step])
+    indices = rng.choice(n_questions, size=n_prompts, replace=False).tolist()
+    first_seed = int(rng.integers(2**30))
+    return indices, [first_seed + j * group_size for j in range(n_prompts)]
+
+
+def test_one_dataset_draws_exactly_as_before_mixtures():
+    """A plain --dataset must replay every existing run: same questions, same sampling seeds, in both scripts."""
     for seed in (0, 1, 42):
         for n_prompts in (1, 4, 16):
             for step in range(25):
+                before = step_questions_and_seeds_before_mixtures(100, n_prompts, 4, seed, step)
                 picks, seeds = mixture_questions_and_seeds([100], [1.0], n_prompts, 4, seed, step)
+                assert (picks, seeds) == ([(0, i) for i in before[0]], before[1])
                 for script in (grpo, expert_iter):
-                    indices, script_seeds = script.step_questions_and_seeds(100, n_prompts, 4, seed, step)
-                    assert picks == [(0, i) for i in indices] and seeds == script_seeds
+                    assert script.step_questions_and_seeds([100], [1.0], [None], n_prompts, 4, seed, step) == before
 
 
 def test_counts_follow_the_weights():
@@ -151,7 +164,7 @@ def test_four_way_mixture_on_the_shared_data(tmp_path):
     """The issue's mixture on the real train splits, with a curriculum for MBPP: 200 steps of 16 questions, N = 3200,
     each dataset 800 +- 98 (4 sigma); every pick's example names the verifier of its dataset."""
     mixture = parse_mixture("gsm8k:0.25,math:0.25,mbpp:0.25,ifeval:0.25")
-    train = [data.load(name, "train", DATA / name) for name, _ in mixture]
+    train = [data.load(name, "train", DATA) for name, _ in mixture]
     mbpp_ids = [ex["id"] for ex in train[2]][::-1]  # the file backwards, as a stand-in for easiest-first
     (tmp_path / "mbpp_order.txt").write_text("\n".join(mbpp_ids) + "\n")
     orders = [None, None, read_order(tmp_path / "mbpp_order.txt", train[2]), None]
@@ -163,3 +176,100 @@ def test_four_way_mixture_on_the_shared_data(tmp_path):
     assert all(train[d][i]["verifier"] == verifier[mixture[d][0]] for picks in steps for d, i in picks)
     mbpp_drawn = [train[2][i]["id"] for picks in steps for d, i in picks if d == 2]
     assert mbpp_drawn == [mbpp_ids[k % len(mbpp_ids)] for k in range(counts[2])]
+
+
+# --- the flags beside --dataset: per-dataset templates, eval splits ---
+
+
+def test_parse_per_dataset_and_templates():
+    names = ["gsm8k", "mbpp", "ifeval"]
+    assert data.parse_per_dataset(["mbpp=a.txt", " gsm8k = b=c.txt "], names, "--curriculum") == {
+        "mbpp": "a.txt", "gsm8k": "b=c.txt"}  # fmt: skip
+    for pair, named in [("math=a.txt", "'math' is not in the mixture"), ("mbpp", "write dataset=value"),
+                        ("mbpp=", "write dataset=value")]:  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(f"--curriculum {pair!r}: {named}")):
+            data.parse_per_dataset([pair], names, "--curriculum")
+    with pytest.raises(ValueError, match="given twice"):
+        data.parse_per_dataset(["mbpp=a", "mbpp=b"], names, "--curriculum")
+    templates = data.dataset_templates(names, "r1_zero", ["ifeval=question"])
+    assert templates == {"gsm8k": "r1_zero", "mbpp": "r1_zero", "ifeval": "question"}
+    with pytest.raises(ValueError, match="--dataset-templates ifeval=question"):
+        data.dataset_templates(names, "r1_zero", [])  # IFEval's verifier reads the whole response, not <answer>
+    with pytest.raises(ValueError, match="template 'r2_zero' of 'mbpp': unknown"):
+        data.dataset_templates(names, "question", ["mbpp=r2_zero"])
+
+
+def test_eval_split_falls_back_to_test_where_there_is_no_val():
+    assert [data.eval_split(name, "val") for name in ("gsm8k", "math", "mbpp", "ifeval", "synthetic")] == [
+        "val", "test", "val", "test", "val"]  # fmt: skip
+    assert data.eval_split("gsm8k", "test") == "test" and data.eval_split("math", "train") == "train"
+
+
+# --- SFT: the examples of a mixture ---
+
+
+def test_sft_mixes_pairs_by_weight_reproducibly():
+    sets = [[{"d": d, "i": i} for i in range(size)] for d, size in enumerate([100, 40, 30])]
+    assert sft.mix_pairs(sets[:1], [1.0], 7, seed=0) == sets[0][:7]  # one dataset: its first n, as before mixtures
+    assert sft.mix_pairs(sets[:1], [1.0], None, seed=0) == sets[0]
+    mixed = sft.mix_pairs(sets, [0.5, 0.25, 0.25], None, seed=0)  # mbpp-like set of 30 limits: n = 120
+    assert [sum(p["d"] == d for p in mixed) for d in range(3)] == [60, 30, 30]
+    assert len({(p["d"], p["i"]) for p in mixed}) == len(mixed)  # no pair twice
+    assert mixed == sft.mix_pairs(sets, [0.5, 0.25, 0.25], None, seed=0)
+    assert mixed != sft.mix_pairs(sets, [0.5, 0.25, 0.25], None, seed=1)  # another random subset of dataset 0
+    assert [sum(p["d"] == d for p in sft.mix_pairs(sets, [2, 1, 1], 40, seed=0)) for d in range(3)] == [20, 10, 10]
+    with pytest.raises(ValueError, match="dataset 3 of the mixture has 30, its weight asks for 50"):
+        sft.mix_pairs(sets, [0.5, 0.0, 0.5], 100, seed=0)
+
+
+def test_sft_pairs_of_a_three_way_mixture(tiny_model_dir, shared_data):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    args = sft.Args(dataset="gsm8k:0.5,math:0.25,mbpp:0.25", data_dir=str(shared_data), template="question",
+                    dataset_templates=["mbpp=r1_zero"], batch_size=4)  # fmt: skip
+    pairs = sft.build_sft_pairs(args, tokenizer)
+    counts = {name: sum(p["example"]["dataset"] == name for p in pairs) for name in ("gsm8k", "math", "mbpp")}
+    assert counts == {"gsm8k": 748, "math": 374, "mbpp": 374}  # MBPP's 374 train tasks are a quarter: n = 1496
+    assert all(p["prompt"].startswith("A conversation") == (p["example"]["dataset"] == "mbpp") for p in pairs)
+    assert all(p["response"].endswith(tokenizer.eos_token) for p in pairs)
+
+
+# --- the scripts: a bad spec stops before the engine starts ---
+
+
+@pytest.mark.parametrize("script", [grpo, expert_iter, sft])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"dataset": "gsm8k:0.5,maths:0.5"}, "unknown dataset 'maths'"),
+        ({"dataset": "gsm8k:-1,math:2"}, "weight of 'gsm8k' must be finite and >= 0, got '-1'"),
+        ({"dataset": "gsm8k:0,math:0"}, "the weights sum to zero"),
+        ({"dataset": "gsm8k:0.5:math"}, "weight '0.5:math' of 'gsm8k' is not a number"),
+        ({"dataset": "gsm8k,math,"}, "malformed part ''"),
+        ({"dataset": "gsm8k,mbpp,ifeval"}, "ifeval is scored on the whole response"),  # under the default r1_zero
+        ({"dataset": "gsm8k,math", "dataset_templates": ["mbpp=question"]}, "'mbpp' is not in the mixture"),
+        ({"dataset_templates": ["gsm8k:question"]}, "--dataset-templates 'gsm8k:question': write dataset=value"),
+    ],
+)
+def test_bad_specs_stop_before_the_engine_starts(script, overrides, named, tmp_path, monkeypatch):
+    monkeypatch.setattr(script, "init_vllm", lambda *a: pytest.fail("the engine must not start"))
+    with pytest.raises(ValueError, match=re.escape(named)):
+        script.main(script.Args(output_dir=str(tmp_path), **overrides))
+    assert not list(tmp_path.iterdir())  # not even a run folder
+
+
+@pytest.mark.parametrize("script", [grpo, expert_iter])
+def test_bad_curriculum_stops_before_the_engine_starts(script, tiny_model_dir, shared_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(script, "init_vllm", lambda *a: pytest.fail("the engine must not start"))
+    common = dict(model=str(tiny_model_dir), dataset="gsm8k,mbpp", data_dir=str(shared_data), output_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=re.escape("--curriculum 'math=o.txt': 'math' is not in the mixture")):
+        script.main(script.Args(**common, curriculum=["math=o.txt"]))
+    order = tmp_path / "order.txt"
+    order.write_text("mbpp/601\nmbpp/2\n")  # task 2 is in MBPP's prompt split, not train
+    with pytest.raises(data.DataError, match=re.escape(f"{order}:2: id 'mbpp/2' is not in the dataset")):
+        script.main(script.Args(**common, curriculum=[f"mbpp={order}"]))
+
+
+def test_sft_refuses_ifeval_without_solutions(tmp_path, monkeypatch):
+    monkeypatch.setattr(sft, "init_vllm", lambda *a: pytest.fail("the engine must not start"))
+    with pytest.raises(ValueError, match="ifeval has no worked solutions"):
+        sft.main(sft.Args(dataset="gsm8k,ifeval", dataset_templates=["ifeval=question"], output_dir=str(tmp_path)))
