@@ -5,8 +5,10 @@ sigma sqrt(N p (1 - p)): for p = 0.25, 1000 +- 27.4, so 4 sigma is +- 110 (a fal
 but the draws are seeded, so a test either always passes or always fails).
 """
 
+import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ import data
 import expert_iter
 import grpo
 import sft
+import verifiers
 from data import mixture_questions_and_seeds, parse_mixture, read_order
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # one folder per dataset
@@ -273,3 +276,127 @@ def test_sft_refuses_ifeval_without_solutions(tmp_path, monkeypatch):
     monkeypatch.setattr(sft, "init_vllm", lambda *a: pytest.fail("the engine must not start"))
     with pytest.raises(ValueError, match="ifeval has no worked solutions"):
         sft.main(sft.Args(dataset="gsm8k,ifeval", dataset_templates=["ifeval=question"], output_dir=str(tmp_path)))
+
+
+# --- whole runs on the four-way mixture: the tiny model, the real engine, the real data (first 64 of each split) ---
+
+MIXTURE = "gsm8k:0.4,math:0.3,mbpp:0.2,ifeval:0.1"
+NAMES, WEIGHTS = ["gsm8k", "math", "mbpp", "ifeval"], [0.4, 0.3, 0.2, 0.1]
+N_SLICE = 64
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run_settings(tiny_model_dir, shared_data, tmp_path, **overrides) -> dict:
+    """Template "question" (short prompts; IFEval needs it), but r1_zero for MBPP: a mixed batch of two templates."""
+    return dict(model=str(tiny_model_dir), dataset=MIXTURE, data_dir=str(shared_data), template="question",
+                dataset_templates=["mbpp=r1_zero"], output_dir=str(tmp_path), group_size=2, max_tokens=8,
+                n_eval=2, eval_max_tokens=4, n_log_generations=1, **overrides)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small_splits():
+    """The first 64 examples of every split: the scripts render (GRPO also tokenizes) every train prompt, and the
+    tiny model's 2,048-token context cannot hold the longest MATH prompts in its character-level tokens."""
+    load = data.load
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(data, "load", lambda name, split, data_dir=None: load(name, split, data_dir)[:N_SLICE])
+        yield
+
+
+def expected_counts(n_prompts, seed, steps):
+    """The number of questions of each dataset that data.mixture_questions_and_seeds draws in these steps."""
+    draws = [mixture_questions_and_seeds([N_SLICE] * 4, WEIGHTS, n_prompts, 2, seed, step)[0] for step in steps]
+    picks = [pick for step in draws for pick in step]
+    return [sum(d == k for d, _ in picks) for k in range(4)]
+
+
+def assert_within_4_sigma(counts):
+    n = sum(counts)
+    for count, w in zip(counts, WEIGHTS, strict=True):
+        assert abs(count - n * w) <= 4 * math.sqrt(n * w * (1 - w)), (counts, n)
+
+
+@pytest.fixture(scope="module")
+def grpo_curriculum_run(small_splits, tiny_model_dir, shared_data, tmp_path_factory):
+    """GRPO, 2 steps of 48 questions x 2 responses, MBPP in a fixed order (its 64 ids backwards), real verifiers:
+    stopped during step 2 (after step 1's checkpoint), then resumed in a fresh draw memory, as a new process."""
+    tmp_path = tmp_path_factory.mktemp("grpo_mixture")
+    order = [ex["id"] for ex in data.load("mbpp", "train", shared_data)][::-1]
+    (tmp_path / "mbpp_order.txt").write_text("\n".join(order) + "\n")
+    args = grpo.Args(**run_settings(tiny_model_dir, shared_data, tmp_path / "runs", n_grpo_steps=2, save_every=1,
+                                    rollout_batch_size=96, train_batch_size=96, microbatch_size=32, lr=1e-2,
+                                    eval_every=1000, curriculum=[f"mbpp={tmp_path / 'mbpp_order.txt'}"]))  # fmt: skip
+    real_check, calls = grpo.check_vllm_follows_policy, []
+
+    def check_then_stop(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:  # at the start, after step 1, after step 2
+            raise KeyboardInterrupt
+        return real_check(*a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(grpo, "check_vllm_follows_policy", check_then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            grpo.main(args)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    data._DRAWN.clear()
+    assert grpo.main(replace(args, resume=str(run_dir))) == run_dir
+    return run_dir, order
+
+
+def test_grpo_on_a_four_way_mixture_draws_by_weight_and_logs_each_task(grpo_curriculum_run, shared_data):
+    run_dir, _ = grpo_curriculum_run
+    rollouts, metrics = read_jsonl(run_dir / "rollouts.jsonl"), read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]  # the stopped step 2 was dropped and rewritten
+    counts = [sum(row["dataset"] == name for row in rollouts) for name in NAMES]
+    assert counts == expected_counts(48, seed=1, steps=[0, 1])  # exactly the draws of data.mixture_questions_...
+    assert_within_4_sigma(counts)  # ... which follow the weights: 96 draws, e.g. gsm8k 38.4 +- 19.2
+    for step, m in zip([1, 2], metrics[1:], strict=True):
+        rows = [row for row in rollouts if row["step"] == step]
+        assert m["rollout/reward_mean"] == pytest.approx(np.mean([r for row in rows for r in row["rewards"]]))
+        for name in NAMES:
+            mine = [r for row in rows if row["dataset"] == name for r in row["rewards"]]
+            assert m[f"rollout/{name}/count"] == len(mine) // 2
+            assert m[f"rollout/{name}/reward_mean"] == (pytest.approx(np.mean(mine)) if mine else None)
+    for m in (metrics[0], metrics[2]):  # evaluations: each dataset on its own split, and the total over all 4 x 2
+        accuracies = [m[f"eval/{name}/accuracy"] for name in NAMES]
+        assert m["eval/accuracy"] == pytest.approx(np.mean(accuracies))  # 2 problems each: the mean of the means
+    # Each row names its dataset, holds one of that dataset's questions, rendered in that dataset's template
+    assert all(row["prompt"].startswith("A conversation") == (row["dataset"] == "mbpp") for row in rollouts)
+    ids = {name: {ex["id"] for ex in data.load(name, "train", shared_data)} for name in NAMES}
+    assert all(row["id"] in ids[row["dataset"]] for row in rollouts)
+
+
+def test_curriculum_order_continues_across_a_resume(grpo_curriculum_run):
+    run_dir, order = grpo_curriculum_run
+    mbpp = [row for row in read_jsonl(run_dir / "rollouts.jsonl") if row["dataset"] == "mbpp"]
+    assert {row["step"] for row in mbpp} == {1, 2}  # step 1 before the stop, step 2 after the resume
+    assert [row["id"] for row in mbpp] == order[: len(mbpp)]  # the k-th MBPP question drawn is the k-th id of the file
+
+
+def test_expert_iteration_on_a_four_way_mixture(small_splits, tiny_model_dir, shared_data, tmp_path, monkeypatch):
+    """2 EI steps of 48 questions x 2 responses. The reward is a stand-in (1 iff the response has an even number of
+    characters; see test_expert_iter.py): a random tiny model solves nothing, and something must be kept."""
+    parity = lambda responses, examples: [{"reward": float(len(r) % 2 == 0), "format_reward": 1.0} for r in responses]
+    monkeypatch.setattr(verifiers, "score_batch", parity)
+    run_dir = expert_iter.main(expert_iter.Args(**run_settings(
+        tiny_model_dir, shared_data, tmp_path, n_ei_steps=2, n_questions=48, n_sft_epochs=1, batch_size=32,
+        microbatch_size=32, lr=1e-3, warmup_steps=0, max_seq_len=1024)))  # fmt: skip
+    metrics, kept = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "kept.jsonl")
+    counts = [sum(m[f"rollout/{name}/count"] for m in metrics[1:]) for name in NAMES]  # what was drawn
+    assert counts == expected_counts(48, seed=1, steps=[0, 1])
+    assert_within_4_sigma(counts)
+    for m in metrics[1:]:
+        assert sum(m[f"rollout/{name}/count"] for name in NAMES) == 48
+        kept_here = [row for row in kept if row["step"] == m["step"]]
+        assert len(kept_here) == m["rollout/n_kept"] > 0
+        for name in NAMES:  # kept.jsonl names each row's dataset: at most the 2 responses of each question drawn
+            assert sum(row["dataset"] == name for row in kept_here) <= 2 * m[f"rollout/{name}/count"]
+        drawn = [m[f"rollout/{name}/reward_mean"] for name in NAMES if m[f"rollout/{name}/count"]]
+        assert all(0 <= r <= 1 for r in drawn)
+    assert {row["dataset"] for row in kept} <= set(NAMES) and len({row["dataset"] for row in kept}) >= 3
+    for m in (metrics[0], metrics[2]):
+        assert all(f"eval/{name}/accuracy" in m for name in NAMES) and "eval/accuracy" in m
