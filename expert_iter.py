@@ -31,6 +31,8 @@ Usage:
         --n-ei-steps 3 --n-questions 64 --group-size 4 --max-tokens 64 --eval-max-tokens 64 --n-eval 64 \\
         --batch-size 16 --microbatch-size 8 --lr 1e-4 --warmup-steps 0 --max-seq-len 256   # CPU, tiny model
     python expert_iter.py --resume runs/expert_iter__1__1763700000        # continue a stopped run where it stopped
+    python expert_iter.py --dataset gsm8k:0.25,math:0.25,mbpp:0.25,ifeval:0.25 --data-dir ../shared/data \
+        --dataset-templates ifeval=question                                # a mixture of tasks: README "Mixtures"
 The CPU line starts from the tiny model fine-tuned by `python sft.py --model runs/tiny-qwen3 --dataset synthetic
 --batch-size 16 --microbatch-size 8 --lr 1e-3 --n-examples 3200 --max-seq-len 256` (about 3% accuracy, so EI keeps
 only a few responses a step: it shows the loop, not learning); about 1.5 minutes on 2 cores.

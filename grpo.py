@@ -34,6 +34,8 @@ Usage:
     python grpo.py --model Qwen/Qwen3-1.7B-Base                    # GSM8K, R1-Zero template, 200 steps, 2 GPUs
     python grpo.py --model runs/sft__1__1763700000/checkpoints/step_000200 --loss-aggregation sequence_mean
     python grpo.py --resume runs/grpo__1__1763800000              # continue a stopped run where it stopped
+    python grpo.py --dataset gsm8k:0.25,math:0.25,mbpp:0.25,ifeval:0.25 --data-dir ../shared/data \
+        --dataset-templates ifeval=question                        # a mixture of tasks: README "Mixtures"
   No GPU: a tiny model, SFT'd on the synthetic task, then GRPO (~4 s a step); ladder.py runs the whole chain:
     python tiny_model.py --out runs/tiny-qwen3
     python sft.py --model runs/tiny-qwen3 --dataset synthetic --batch-size 32 --microbatch-size 32 --lr 2e-3 \\

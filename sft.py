@@ -18,12 +18,16 @@ Deliberate simplifications:
    split into microbatches or padded); CS336's sum-per-sequence variant is one `normalize_constant` away.
 4. The reload check compares log-probs on two probe prompts, not weight tensors: cheap, and it tests what the
    engine samples from, stale prefix cache included.
+5. A mixture of datasets (--dataset gsm8k:0.5,math:0.25,mbpp:0.25) is mixed once, before training: each dataset
+   gives the share of the examples its weight asks, a random subset drawn from the seed (mix_pairs), and the
+   batches shuffle them together. No curriculum: the order of SFT examples is the shuffle's.
 
 Usage:
     python sft.py --model Qwen/Qwen3-1.7B-Base                     # GSM8K solutions, R1-Zero template, 2 GPUs
     python sft.py --model runs/tiny-qwen3 --dataset synthetic --batch-size 16 --lr 1e-3   # CPU, tiny model
     python sft.py --sft-file traces.jsonl --dataset gsm8k          # your own {"prompt", "response"} pairs
     python sft.py --resume runs/sft__1__1763700000                 # continue a stopped run where it stopped
+    python sft.py --dataset gsm8k:0.5,math:0.25,mbpp:0.25 --data-dir ../shared/data   # a mixture: README "Mixtures"
 """
 
 import contextlib
