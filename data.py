@@ -871,6 +871,9 @@ def mixture_questions_and_seeds(
     for d, (size, order) in enumerate(zip(sizes, orders, strict=True)):
         slots = np.flatnonzero(datasets == d)  # the questions of this step that come from dataset d
         if order is None:
+            if len(slots) > size:  # distinct questions within a step; a curriculum wraps around instead
+                raise ValueError(f"step {step} drew {len(slots)} questions of dataset {d + 1} of the mixture, which "
+                                 f"has {size}: ask fewer questions per step, or give it less weight")  # fmt: skip
             indices = rng.choice(size, size=len(slots), replace=False).tolist()
         else:
             indices = [order[(drawn_before[d] + k) % len(order)] for k in range(len(slots))]

@@ -655,8 +655,10 @@ def main(args: Args) -> Path:
     order_files = data.parse_per_dataset(args.curriculum, names, "--curriculum")
     # All datasets' train examples, one dataset after another; each names its dataset (ex["dataset"]).
     train_examples, sizes, orders = data.load_mixture(names, "train", args.data_dir, order_files)
-    if args.n_questions > min(size for size, weight in zip(sizes, weights, strict=True) if weight > 0):
-        raise ValueError(f"n_questions={args.n_questions} is more than a train split of {names} has ({min(sizes)})")
+    for name, size, weight in zip(names, sizes, weights, strict=True):  # a step draws n_questions w / sum(w) on average
+        if args.n_questions * weight / sum(weights) > size:
+            raise ValueError(f"n_questions={args.n_questions}, {weight / sum(weights):.0%} from {name}, but its train "
+                             f"split has {size}")  # fmt: skip
     # --- PLUMBING: run folder, devices, engine, seeds, policy (the same steps in every script) ---
     run_dir = make_run_dir(args.output_dir, args.exp_name, args.seed, args.resume, asdict(args))
     policy_device, vllm_device, memory_fraction, reload_tol = resolve_devices(

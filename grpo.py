@@ -994,8 +994,10 @@ def main(args: Args) -> Path:
     eval_prompts = {name: [data.render_prompt(ex, templates[name], tokenizer) for ex in examples]
                     for name, examples in eval_examples.items()}  # fmt: skip
     n_prompts = args.rollout_batch_size // args.group_size
-    if n_prompts > min(size for size, weight in zip(sizes, weights, strict=True) if weight > 0):
-        raise ValueError(f"{n_prompts} questions per step, but a train split of {names} has only {min(sizes)}")
+    for name, size, weight in zip(names, sizes, weights, strict=True):  # a step draws n_prompts w / sum(w), on average
+        if n_prompts * weight / sum(weights) > size:
+            raise ValueError(f"{n_prompts} questions per step, {weight / sum(weights):.0%} from {name}, but its train "
+                             f"split has {size}")  # fmt: skip
     all_prompts = train_prompts + [prompt for prompts in eval_prompts.values() for prompt in prompts]
     longest_prompt = max(len(ids) for ids in tokenizer(all_prompts)["input_ids"])
     # The engine's context must hold a prompt and its response, and the 400-token reload probes plus 8 tokens.

@@ -143,6 +143,11 @@ def test_curriculum_resume_continues_the_order():
     assert drawn == [ORDER[k % len(ORDER)] for k in range(len(drawn))]
 
 
+def test_a_step_that_draws_more_than_a_dataset_has_says_so():
+    with pytest.raises(ValueError, match="step 0 drew 10 questions of dataset 2 of the mixture, which has 3"):
+        draws([0.5, 0.5], 1, n_prompts=16, sizes=[100, 3])
+
+
 def test_curriculum_one_dataset():
     """One dataset with an order: step s takes order[8 s], ..., order[8 s + 7] (wrapping around)."""
     order = list(range(99, -1, -1))  # hardest first, say
@@ -270,6 +275,10 @@ def test_bad_curriculum_stops_before_the_engine_starts(script, tiny_model_dir, s
     order.write_text("mbpp/601\nmbpp/2\n")  # task 2 is in MBPP's prompt split, not train
     with pytest.raises(data.DataError, match=re.escape(f"{order}:2: id 'mbpp/2' is not in the dataset")):
         script.main(script.Args(**common, curriculum=[f"mbpp={order}"]))
+    # 800 questions a step, half of them MBPP's: more than its 374 train tasks
+    many = {"n_questions": 800} if script is expert_iter else {"rollout_batch_size": 1600, "train_batch_size": 1600}
+    with pytest.raises(ValueError, match="50% from mbpp, but its train split has 374"):
+        script.main(script.Args(**common, **many, group_size=2))
 
 
 def test_sft_refuses_ifeval_without_solutions(tmp_path, monkeypatch):
