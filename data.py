@@ -262,6 +262,34 @@ def _load_math500(split: str, data_dir: str | Path | None) -> list[dict]:
     return examples
 
 
+LM_EVAL_FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed
+
+
+def _hub_order(examples: list[dict]) -> list[dict]:
+    """MATH examples of one subject in EleutherAI/hendrycks_math's row order, which lm-eval reads: its loader sorted
+    the original files by name as strings (1.json, 10.json, 1001.json, 2.json). Hub ids "row<i>" are in that order."""
+    names = [ex["id"].rsplit("/", 1)[-1] for ex in examples]
+    keys = [int(name[3:]) if name.startswith("row") else name for name in names]
+    return [ex for _, ex in sorted(zip(keys, examples, strict=True), key=lambda pair: pair[0])]
+
+
+def math_fewshot(k: int = 4, data_dir: str | Path | None = None) -> dict[str, list[dict]]:
+    """The k shots lm-eval's `hendrycks_math` (k-shot) puts before each MATH test problem, by test id.
+
+    lm-eval's default sampler: each subject is a task of its own, with random.Random(1234); for each test problem
+    in the hub's order it draws rnd.sample(that subject's train problems, k). So every problem has its own shots.
+    """
+    root = dataset_dir("math", data_dir)
+    train, test = _load_math("train", root), _load_math("test", root)
+    shots = {}
+    for subject in sorted({ex["subject"] for ex in test}):
+        pool = _hub_order([ex for ex in train if ex["subject"] == subject])
+        rng = random.Random(LM_EVAL_FEWSHOT_SEED)
+        for ex in _hub_order([ex for ex in test if ex["subject"] == subject]):
+            shots[ex["id"]] = rng.sample(pool, k)
+    return shots
+
+
 # --- Synthetic: GSM8K-shaped +/- word problems, small enough for a ~1M-parameter model to learn on a CPU ---
 
 SYNTHETIC_SEED = 0
@@ -641,7 +669,15 @@ CHAT_INSTRUCTION = 'Solve the problem step by step. Write the final answer on th
 # 4: the `first_n` sampler), until ["[DONE]"], greedy. "humaneval" is lm-eval's `humaneval`: the prompt as it is,
 # until HUMANEVAL_STOP, the program is prompt + completion. (Later lm-eval versions add a "```python" prefix to both;
 # the verifier reads fenced code too.) For the other templates a code question asks for a fenced block.
-TEMPLATES = ("r1_zero", "question", "chat", "gsm8k_kshot", "mbpp_kshot", "humaneval")
+#
+# MATH: "hendrycks_math_kshot" reproduces lm-eval 0.4.13's `hendrycks_math` (lm_eval/tasks/hendrycks_math/
+# hendrycks_math_algebra.yaml, version 1.0; the 4-shot row of our README runs it with --num_fewshot 4): doc_to_text
+# "Problem: {{problem}}\nAnswer:", doc_to_target "{{answer}}" (the boxed answer alone, no worked solution),
+# target_delimiter " ", fewshot_delimiter "\n\n", until ["Problem:"], greedy, max_gen_toks 256 (its default). Its
+# shots are drawn per problem by lm-eval's default sampler, replayed by `math_fewshot`. Where a shot's answer would
+# read as a Python list ("[-9, 9]", ten train rows) lm-eval 0.4.13 stops with an AssertionError (older versions
+# show "-9"); we show the text.
+TEMPLATES = ("r1_zero", "question", "chat", "gsm8k_kshot", "mbpp_kshot", "humaneval", "hendrycks_math_kshot")
 CODE_INSTRUCTION = "Write the solution as one Python function in a ```python code block."
 MBPP_PROMPT = (
     "You are an expert Python programmer, and here is your task: {text} Your code should pass these tests:\n\n"
@@ -651,6 +687,14 @@ MBPP_PROMPT = (
 
 def _mbpp_text(example: dict) -> str:
     return MBPP_PROMPT.format(text=example["text"], tests="\n".join(example["test_list"][:3]))
+
+
+def _lm_eval_math_answer(solution: str) -> str:
+    """A MATH shot's answer as lm-eval's hendrycks_math reads it (utils.process_docs): our gold, except that
+    "\\boxed 17" without braces runs to the next "$" ("{17}." on one train row), and an empty \\boxed{} stays empty."""
+    if "\\boxed " in solution:
+        return solution.split("\\boxed ")[-1].split("$")[0]
+    return last_boxed(solution) or ""
 
 
 def _reasoning(example: dict) -> str:
@@ -684,6 +728,15 @@ def render_prompt(example: dict, template: str, tokenizer=None, fewshot: list[di
         )
     if template == "humaneval":
         return question
+    if template == "hendrycks_math_kshot":
+        if fewshot is None or example["verifier"] != "math":
+            raise ValueError("template 'hendrycks_math_kshot' is for MATH and needs fewshot=math_fewshot(k)[id]")
+        # lm-eval 0.4.13 leaves out the delimiters after a shot whose answer is empty (two train rows).
+        shots = []
+        for shot in fewshot:
+            answer = _lm_eval_math_answer(shot["solution"])
+            shots.append(f"Problem: {shot['prompt']}\nAnswer:" + (f" {answer}\n\n" if answer else ""))
+        return "".join([*shots, f"Problem: {question}\nAnswer:"])
     if code and template in ("r1_zero", "chat"):
         question = f"{question}\n{CODE_INSTRUCTION}"
     if template == "r1_zero":
@@ -734,6 +787,7 @@ def stop_strings(template: str) -> list[str]:
         "gsm8k_kshot": ["Question:", "</s>", "<|im_end|>"],
         "mbpp_kshot": ["[DONE]"],
         "humaneval": HUMANEVAL_STOP,
+        "hendrycks_math_kshot": ["Problem:"],
     }
     if template not in stops:
         raise ValueError(f"unknown template {template!r}; choose from {list(TEMPLATES)}")
