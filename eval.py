@@ -1,5 +1,5 @@
 """Evaluate a model or checkpoint on GSM8K, MATH, MATH-500, MBPP, HumanEval, IFEval or the synthetic task,
-with vLLM.
+with vLLM; or on the whole baseline suite at once (--suite).
 
 For every problem: render the prompt with one of data.py's templates, sample `n` responses (greedy by default),
 score each with verifiers.score, and write one JSONL line. Then `summarize` turns those lines into the metrics:
@@ -23,7 +23,13 @@ Two known differences: data.py takes the first K train rows as shots (lm-eval dr
 fixed seed), and our strict reader takes the last "####" (lm-eval the first; equal when generation stops at
 "Question:"). Expect numbers within a point or two, not identical.
 lm-eval's `mbpp` (3-shot) is --template mbpp_kshot --max-tokens 256; its `humaneval` (0-shot) is --template
-humaneval --max-tokens 1024 (greedy: lm-eval's humaneval-greedy; its default samples).
+humaneval --max-tokens 1024 (greedy: lm-eval's humaneval-greedy; its default samples). Its `hendrycks_math` (4-shot)
+is --dataset math --template hendrycks_math_kshot --n-shot 4 --max-tokens 256: lm-eval's prompt and shots exactly,
+its answer span (between the first and last "$"), and our MATH verifier's comparison (`hendrycks_math_score`).
+
+--suite runs all of these (SUITE: GSM8K 0/4/8-shot, MATH 4-shot, IFEval, MBPP 3-shot, HumanEval) with one engine,
+writes each benchmark's samples.jsonl and summary.json in its own folder, and prints our numbers next to
+Qwen3-1.7B-Base's lm-eval numbers. The README's "Reference numbers" say how each row differs from lm-eval's.
 
 Deliberately left out:
   1. Symbolic equivalence for MATH (sympy / math_verify): see verifiers.py for why; the reward is exact match.
@@ -43,6 +49,7 @@ Usage:
         --max-tokens 1280   # lm-eval's ifeval: 0-shot, greedy; prompt/instruction-level strict and loose
     python eval.py --model runs/sft__1__1763700000/checkpoints/step_000200 --dataset gsm8k --template r1_zero \\
         --n 8 --k 1 4 8 --temperature 1.0   # a checkpoint of sft.py: pass@k and maj@k from 8 samples
+    python eval.py --suite --model Qwen/Qwen3-1.7B-Base --data-dir ../shared/data   # the baseline suite, one table
 """
 
 import json
