@@ -299,9 +299,10 @@ def load_examples(args: Args) -> tuple[list[dict], list[list[dict] | None]]:
 
 
 def hendrycks_math_score(response: str, example: dict) -> dict:
-    """The MATH reward for "hendrycks_math_kshot", whose answers are bare ("Answer: $\\frac{1}{2}$"): the answer is
-    what lm-eval's hendrycks_math reads, the text between the first and last "$" (else the whole response); our MATH
-    verifier then compares it with the gold (handed over in answer tags, which it reads first). README: vs lm-eval."""
+    """The MATH reward for "hendrycks_math_kshot", whose answers come bare (" $\\frac{1}{2}$"). The answer is what
+    lm-eval's hendrycks_math reads: the text between the first and the last "$", else the whole response. Our MATH
+    verifier compares it with the gold (handed over in answer tags, which it reads first); lm-eval compares strings
+    after its own normalisation (README, "Reference numbers": where the two differ)."""
     dollars = [i for i, char in enumerate(response) if char == "$"]
     span = response[dollars[0] + 1 : dollars[-1]] if len(dollars) > 1 else response
     return verifiers.score(f"<answer>{span}</answer>", example)
@@ -317,7 +318,7 @@ def evaluate(llm, args: Args, examples: list[dict], shots: list) -> tuple[list[d
         n=args.n,
         temperature=args.temperature,
         top_p=args.top_p,
-        max_tokens=args.max_tokens or 1024,
+        max_tokens=args.max_tokens,
         stop=data.stop_strings(args.template),
         include_stop_str_in_output=args.template == "r1_zero",  # keep "</answer>": the verifier needs the tag closed
     )
@@ -364,6 +365,7 @@ def main(args: Args) -> Path:
     """Evaluate and write samples.jsonl and summary.json; returns the results folder."""
     if args.suite:
         return run_suite(args)
+    args = replace(args, max_tokens=args.max_tokens or 1024)
     # 1. Check the arguments and load the data, so a mistake fails in seconds and not after the engine started.
     validate(args)
     examples, shots = load_examples(args)
