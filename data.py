@@ -166,6 +166,22 @@ def gsm8k_fewshot(k: int = 5, data_dir: str | Path | None = None) -> list[dict]:
     return _load_gsm8k_official("train", dataset_dir("gsm8k", data_dir))[:k]
 
 
+LM_EVAL_FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed
+
+
+def lm_eval_fewshot(pool: list[dict], questions: list[dict], k: int) -> dict[str, list[dict]]:
+    """lm-eval's default few-shot sampler, replayed: random.Random(1234), then rnd.sample(pool, k) for each question
+    in turn, so every question has its own shots. Both lists in the row order of the hub copy lm-eval reads."""
+    rng = random.Random(LM_EVAL_FEWSHOT_SEED)
+    return {ex["id"]: rng.sample(pool, k) for ex in questions}
+
+
+def gsm8k_lm_eval_fewshot(k: int = 5, data_dir: str | Path | None = None) -> dict[str, list[dict]]:
+    """The k shots lm-eval's `gsm8k` puts before each test question, by id: drawn from the official train file."""
+    root = dataset_dir("gsm8k", data_dir)
+    return lm_eval_fewshot(_load_gsm8k_official("train", root), _load_gsm8k_official("test", root), k)
+
+
 # --- MATH (Hendrycks et al. 2021) and MATH-500: the gold answer is the last \boxed{...} of the solution ---
 
 # Hub copy of the full MATH: EleutherAI/hendrycks_math, one config per subject, fields problem/level/type/solution,
@@ -262,9 +278,6 @@ def _load_math500(split: str, data_dir: str | Path | None) -> list[dict]:
     return examples
 
 
-LM_EVAL_FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed
-
-
 def _hub_order(examples: list[dict]) -> list[dict]:
     """MATH examples of one subject in EleutherAI/hendrycks_math's row order, which lm-eval reads: its loader sorted
     the original files by name as strings (1.json, 10.json, 1001.json, 2.json). Hub ids "row<i>" are in that order."""
@@ -274,19 +287,14 @@ def _hub_order(examples: list[dict]) -> list[dict]:
 
 
 def math_fewshot(k: int = 4, data_dir: str | Path | None = None) -> dict[str, list[dict]]:
-    """The k shots lm-eval's `hendrycks_math` (k-shot) puts before each MATH test problem, by test id.
-
-    lm-eval's default sampler: each subject is a task of its own, with random.Random(1234); for each test problem
-    in the hub's order it draws rnd.sample(that subject's train problems, k). So every problem has its own shots.
-    """
+    """The k shots lm-eval's `hendrycks_math` puts before each MATH test problem, by id ("hendrycks_math_kshot"):
+    each subject is a task of its own there, with its own sampler drawing from that subject's train problems."""
     root = dataset_dir("math", data_dir)
     train, test = _load_math("train", root), _load_math("test", root)
     shots = {}
     for subject in sorted({ex["subject"] for ex in test}):
-        pool = _hub_order([ex for ex in train if ex["subject"] == subject])
-        rng = random.Random(LM_EVAL_FEWSHOT_SEED)
-        for ex in _hub_order([ex for ex in test if ex["subject"] == subject]):
-            shots[ex["id"]] = rng.sample(pool, k)
+        pool, questions = ([ex for ex in split if ex["subject"] == subject] for split in (train, test))
+        shots.update(lm_eval_fewshot(_hub_order(pool), _hub_order(questions), k))
     return shots
 
 

@@ -287,8 +287,9 @@ def start_engine(args: Args):
 def load_examples(args: Args) -> tuple[list[dict], list[list[dict] | None]]:
     """The problems, and for each problem its shots (None for a template without shots)."""
     examples = data.load(args.dataset, args.split, args.data_dir)[: args.limit]
-    if args.template == "hendrycks_math_kshot":  # shots differ per problem, as lm-eval draws them
-        shots = data.math_fewshot(args.n_shot, args.data_dir)
+    per_question = {"gsm8k_kshot": data.gsm8k_lm_eval_fewshot, "hendrycks_math_kshot": data.math_fewshot}
+    if args.template in per_question and args.split == "test":  # lm-eval's test shots: drawn per question
+        shots = per_question[args.template](args.n_shot, args.data_dir)
         return examples, [shots[ex["id"]] for ex in examples]
     fewshot = None
     if args.template == "gsm8k_kshot":

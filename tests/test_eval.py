@@ -270,9 +270,10 @@ def test_suite_one_engine_one_table(tiny_long_model_dir, shared_data, tmp_path, 
     assert json.loads((suite_dir / "suite.json").read_text())["table"][6][:2] == ["math_4shot", "eval/accuracy"]
 
 
-# --- MATH 4-shot against lm-eval 0.4.13's hendrycks_math, its task built offline on our local MATH rows ---
+# --- GSM8K and MATH k-shot prompts against lm-eval 0.4.13's own task objects, built offline on our local rows ---
 
-LM_EVAL_MATH = Path(importlib.util.find_spec("lm_eval").origin).parent / "tasks" / "hendrycks_math"
+LM_EVAL_TASKS = Path(importlib.util.find_spec("lm_eval").origin).parent / "tasks"
+LM_EVAL_MATH = LM_EVAL_TASKS / "hendrycks_math"
 
 
 def lm_eval_module(name):
@@ -282,19 +283,13 @@ def lm_eval_module(name):
     return module
 
 
-def lm_eval_math_task(subject: str, yaml_name: str, data_dir: Path):
-    """lm-eval's own task object for one subject, reading ../shared/data/math in the hub's row order (file names
-    sorted as strings, as EleutherAI/hendrycks_math's loader did) instead of downloading the hub copy."""
+def lm_eval_task(yaml_path: Path, rows):
+    """lm-eval's own task object, reading rows(split) instead of downloading the hub copy."""
     import datasets
     from lm_eval.api.task import ConfigurableTask
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    def rows(split):
-        lines = (data_dir / "math" / f"{split}.jsonl").read_text().splitlines()
-        mine = [row for row in map(json.loads, lines) if row["unique_id"].split("/")[1] == subject]
-        return sorted(mine, key=lambda row: row["unique_id"].rsplit("/", 1)[1])
-
-    config = load_yaml(LM_EVAL_MATH / yaml_name)
+    config = load_yaml(yaml_path)
     del config["dataset_path"], config["dataset_name"]
     config["custom_dataset"] = lambda **kwargs: datasets.DatasetDict(
         {split: datasets.Dataset.from_list(rows(split)) for split in ("train", "test")}
@@ -302,6 +297,34 @@ def lm_eval_math_task(subject: str, yaml_name: str, data_dir: Path):
     task = ConfigurableTask(config=config)
     task.set_fewshot_seed(1234)  # as lm_eval.simple_evaluate does (its default fewshot_random_seed)
     return task
+
+
+@pytest.mark.parametrize("k", [0, 4, 8])
+def test_gsm8k_prompt_is_lm_evals(k, shared_data):
+    """Every test question, with lm-eval's draws of shots (openai/gsm8k on the hub has the official files' order)."""
+
+    def rows(split):
+        return [json.loads(line) for line in (shared_data / "gsm8k" / f"{split}.jsonl").read_text().splitlines()]
+
+    task = lm_eval_task(LM_EVAL_TASKS / "gsm8k" / "gsm8k.yaml", rows)
+    shots = data.gsm8k_lm_eval_fewshot(k, shared_data)
+    tests = data.load("gsm8k", "test", shared_data)
+    for doc, example in zip(task.test_docs(), tests, strict=True):
+        ours = data.render_prompt(example, "gsm8k_kshot", fewshot=shots[example["id"]])
+        assert ours == task.fewshot_context(doc, k), example["id"]
+    assert len({tuple(s["id"] for s in shot) for shot in shots.values()}) == (1 if k == 0 else len(tests))
+
+
+def lm_eval_math_task(subject: str, yaml_name: str, data_dir: Path):
+    """lm-eval's hendrycks_math task for one subject, on ../shared/data/math in the hub's row order (file names sorted
+    as strings, as EleutherAI/hendrycks_math's loader did)."""
+
+    def rows(split):
+        lines = (data_dir / "math" / f"{split}.jsonl").read_text().splitlines()
+        mine = [row for row in map(json.loads, lines) if row["unique_id"].split("/")[1] == subject]
+        return sorted(mine, key=lambda row: row["unique_id"].rsplit("/", 1)[1])
+
+    return lm_eval_task(LM_EVAL_MATH / yaml_name, rows)
 
 
 @pytest.fixture(scope="module")
