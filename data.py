@@ -668,9 +668,9 @@ CHAT_INSTRUCTION = 'Solve the problem step by step. Write the final answer on th
 # (lm_eval/tasks/gsm8k/gsm8k.yaml, version 3.0): doc_to_text "Question: {{question}}\nAnswer:", doc_to_target
 # "{{answer}}" (the whole solution, calculator annotations included), target_delimiter " ", fewshot_delimiter
 # "\n\n", num_fewshot 5, fewshot_split train, until ["Question:", "</s>", "<|im_end|>"] (version 1.0 had
-# ["\n\n", "Question:"]). One difference: that task uses the default sampler, which draws random shots per
-# question (random.Random(1234)); we take the first k rows of the train file (lm-eval's `first_n` sampler), the
-# same shots for every question.
+# ["\n\n", "Question:"]). Its shots come from lm-eval's default sampler, which draws them per question
+# (random.Random(1234)): eval.py gives each test question those shots (gsm8k_lm_eval_fewshot); gsm8k_fewshot gives
+# the first k rows of the train file (lm-eval's `first_n` sampler), the same shots for every question.
 #
 # Code: "mbpp_kshot" reproduces lm-eval's `mbpp` (lm_eval/tasks/mbpp/mbpp.yaml, version 1.0): doc_to_text below,
 # the shot's target "{{code}}\n[DONE]" with target_delimiter "", shots joined by "\n\n", num_fewshot 3 (tasks 2, 3,

@@ -19,9 +19,9 @@ For code (MBPP, HumanEval) a sample is correct iff its program passes every test
 Matching lm-evaluation-harness's `gsm8k` task (vLLM, greedy): use --template gsm8k_kshot --n-shot K
 --max-tokens 256 (lm-eval's default max_gen_toks). The prompt ("Question: ...\\nAnswer:", shots joined by
 blank lines, stop at "Question:") is lm-eval's; strict = its "strict-match", flexible = its "flexible-extract".
-Two known differences: data.py takes the first K train rows as shots (lm-eval draws shots per question with a
-fixed seed), and our strict reader takes the last "####" (lm-eval the first; equal when generation stops at
-"Question:"). Expect numbers within a point or two, not identical.
+On the test split each question gets the shots lm-eval draws for it (data.lm_eval_fewshot); on the others, the
+first K train rows. One known difference: our strict reader takes the last "####" (lm-eval the first; equal when
+generation stops at "Question:"), and normalises numbers its own way. Expect numbers within a point, not identical.
 lm-eval's `mbpp` (3-shot) is --template mbpp_kshot --max-tokens 256; its `humaneval` (0-shot) is --template
 humaneval --max-tokens 1024 (greedy: lm-eval's humaneval-greedy; its default samples). Its `hendrycks_math` (4-shot)
 is --dataset math --template hendrycks_math_kshot --n-shot 4 --max-tokens 256: lm-eval's prompt and shots exactly,
