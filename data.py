@@ -172,6 +172,22 @@ def gsm8k_fewshot(k: int = 5, data_dir: str | Path | None = None) -> list[dict]:
     return _load_gsm8k_official("train", dataset_dir("gsm8k", data_dir))[:k]
 
 
+LM_EVAL_FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed
+
+
+def lm_eval_fewshot(pool: list[dict], questions: list[dict], k: int) -> dict[str, list[dict]]:
+    """lm-eval's default few-shot sampler, replayed: random.Random(1234), then rnd.sample(pool, k) for each question
+    in turn, so every question has its own shots. Both lists in the row order of the hub copy lm-eval reads."""
+    rng = random.Random(LM_EVAL_FEWSHOT_SEED)
+    return {ex["id"]: rng.sample(pool, k) for ex in questions}
+
+
+def gsm8k_lm_eval_fewshot(k: int = 5, data_dir: str | Path | None = None) -> dict[str, list[dict]]:
+    """The k shots lm-eval's `gsm8k` puts before each test question, by id: drawn from the official train file."""
+    root = dataset_dir("gsm8k", data_dir)
+    return lm_eval_fewshot(_load_gsm8k_official("train", root), _load_gsm8k_official("test", root), k)
+
+
 # --- MATH (Hendrycks et al. 2021) and MATH-500: the gold answer is the last \boxed{...} of the solution ---
 
 # Hub copy of the full MATH: EleutherAI/hendrycks_math, one config per subject, fields problem/level/type/solution,
@@ -266,6 +282,26 @@ def _load_math500(split: str, data_dir: str | Path | None) -> list[dict]:
         example["answer_given"] = _field(row, "answer", where)  # equals `answer` on all 500 rows of the local copy
         examples.append(example)
     return examples
+
+
+def _hub_order(examples: list[dict]) -> list[dict]:
+    """MATH examples of one subject in EleutherAI/hendrycks_math's row order, which lm-eval reads: its loader sorted
+    the original files by name as strings (1.json, 10.json, 1001.json, 2.json). Hub ids "row<i>" are in that order."""
+    names = [ex["id"].rsplit("/", 1)[-1] for ex in examples]
+    keys = [int(name[3:]) if name.startswith("row") else name for name in names]
+    return [ex for _, ex in sorted(zip(keys, examples, strict=True), key=lambda pair: pair[0])]
+
+
+def math_fewshot(k: int = 4, data_dir: str | Path | None = None) -> dict[str, list[dict]]:
+    """The k shots lm-eval's `hendrycks_math` puts before each MATH test problem, by id ("hendrycks_math_kshot"):
+    each subject is a task of its own there, with its own sampler drawing from that subject's train problems."""
+    root = dataset_dir("math", data_dir)
+    train, test = _load_math("train", root), _load_math("test", root)
+    shots = {}
+    for subject in sorted({ex["subject"] for ex in test}):
+        pool, questions = ([ex for ex in split if ex["subject"] == subject] for split in (train, test))
+        shots.update(lm_eval_fewshot(_hub_order(pool), _hub_order(questions), k))
+    return shots
 
 
 # --- Synthetic: GSM8K-shaped +/- word problems, small enough for a ~1M-parameter model to learn on a CPU ---
@@ -638,16 +674,24 @@ CHAT_INSTRUCTION = 'Solve the problem step by step. Write the final answer on th
 # (lm_eval/tasks/gsm8k/gsm8k.yaml, version 3.0): doc_to_text "Question: {{question}}\nAnswer:", doc_to_target
 # "{{answer}}" (the whole solution, calculator annotations included), target_delimiter " ", fewshot_delimiter
 # "\n\n", num_fewshot 5, fewshot_split train, until ["Question:", "</s>", "<|im_end|>"] (version 1.0 had
-# ["\n\n", "Question:"]). One difference: that task uses the default sampler, which draws random shots per
-# question (random.Random(1234)); we take the first k rows of the train file (lm-eval's `first_n` sampler), the
-# same shots for every question.
+# ["\n\n", "Question:"]). Its shots come from lm-eval's default sampler, which draws them per question
+# (random.Random(1234)): eval.py gives each test question those shots (gsm8k_lm_eval_fewshot); gsm8k_fewshot gives
+# the first k rows of the train file (lm-eval's `first_n` sampler), the same shots for every question.
 #
 # Code: "mbpp_kshot" reproduces lm-eval's `mbpp` (lm_eval/tasks/mbpp/mbpp.yaml, version 1.0): doc_to_text below,
 # the shot's target "{{code}}\n[DONE]" with target_delimiter "", shots joined by "\n\n", num_fewshot 3 (tasks 2, 3,
 # 4: the `first_n` sampler), until ["[DONE]"], greedy. "humaneval" is lm-eval's `humaneval`: the prompt as it is,
 # until HUMANEVAL_STOP, the program is prompt + completion. (Later lm-eval versions add a "```python" prefix to both;
 # the verifier reads fenced code too.) For the other templates a code question asks for a fenced block.
-TEMPLATES = ("r1_zero", "question", "chat", "gsm8k_kshot", "mbpp_kshot", "humaneval")
+#
+# MATH: "hendrycks_math_kshot" reproduces lm-eval 0.4.13's `hendrycks_math` (lm_eval/tasks/hendrycks_math/
+# hendrycks_math_algebra.yaml, version 1.0; the 4-shot row of our README runs it with --num_fewshot 4): doc_to_text
+# "Problem: {{problem}}\nAnswer:", doc_to_target "{{answer}}" (the boxed answer alone, no worked solution),
+# target_delimiter " ", fewshot_delimiter "\n\n", until ["Problem:"], greedy, max_gen_toks 256 (its default). Its
+# shots are drawn per problem by lm-eval's default sampler, replayed by `math_fewshot`. Where a shot's answer would
+# read as a Python list ("[-9, 9]", ten train rows) lm-eval 0.4.13 stops with an AssertionError (older versions
+# show "-9"); we show the text.
+TEMPLATES = ("r1_zero", "question", "chat", "gsm8k_kshot", "mbpp_kshot", "humaneval", "hendrycks_math_kshot")
 CODE_INSTRUCTION = "Write the solution as one Python function in a ```python code block."
 MBPP_PROMPT = (
     "You are an expert Python programmer, and here is your task: {text} Your code should pass these tests:\n\n"
@@ -657,6 +701,14 @@ MBPP_PROMPT = (
 
 def _mbpp_text(example: dict) -> str:
     return MBPP_PROMPT.format(text=example["text"], tests="\n".join(example["test_list"][:3]))
+
+
+def _lm_eval_math_answer(solution: str) -> str:
+    """A MATH shot's answer as lm-eval's hendrycks_math reads it (utils.process_docs): our gold, except that
+    "\\boxed 17" without braces runs to the next "$" ("{17}." on one train row), and an empty \\boxed{} stays empty."""
+    if "\\boxed " in solution:
+        return solution.split("\\boxed ")[-1].split("$")[0]
+    return last_boxed(solution) or ""
 
 
 def _reasoning(example: dict) -> str:
@@ -690,6 +742,15 @@ def render_prompt(example: dict, template: str, tokenizer=None, fewshot: list[di
         )
     if template == "humaneval":
         return question
+    if template == "hendrycks_math_kshot":
+        if fewshot is None or example["verifier"] != "math":
+            raise ValueError("template 'hendrycks_math_kshot' is for MATH and needs fewshot=math_fewshot(k)[id]")
+        # lm-eval 0.4.13 leaves out the delimiters after a shot whose answer is empty (two train rows).
+        shots = []
+        for shot in fewshot:
+            answer = _lm_eval_math_answer(shot["solution"])
+            shots.append(f"Problem: {shot['prompt']}\nAnswer:" + (f" {answer}\n\n" if answer else ""))
+        return "".join([*shots, f"Problem: {question}\nAnswer:"])
     if code and template in ("r1_zero", "chat"):
         question = f"{question}\n{CODE_INSTRUCTION}"
     if template == "r1_zero":
@@ -740,6 +801,7 @@ def stop_strings(template: str) -> list[str]:
         "gsm8k_kshot": ["Question:", "</s>", "<|im_end|>"],
         "mbpp_kshot": ["[DONE]"],
         "humaneval": HUMANEVAL_STOP,
+        "hendrycks_math_kshot": ["Problem:"],
     }
     if template not in stops:
         raise ValueError(f"unknown template {template!r}; choose from {list(TEMPLATES)}")

@@ -1,5 +1,5 @@
 """Evaluate a model or checkpoint on GSM8K, MATH, MATH-500, MBPP, HumanEval, IFEval or the synthetic task,
-with vLLM.
+with vLLM; or on the whole baseline suite at once (--suite).
 
 For every problem: render the prompt with one of data.py's templates, sample `n` responses (greedy by default),
 score each with verifiers.score, and write one JSONL line. Then `summarize` turns those lines into the metrics:
@@ -19,11 +19,17 @@ For code (MBPP, HumanEval) a sample is correct iff its program passes every test
 Matching lm-evaluation-harness's `gsm8k` task (vLLM, greedy): use --template gsm8k_kshot --n-shot K
 --max-tokens 256 (lm-eval's default max_gen_toks). The prompt ("Question: ...\\nAnswer:", shots joined by
 blank lines, stop at "Question:") is lm-eval's; strict = its "strict-match", flexible = its "flexible-extract".
-Two known differences: data.py takes the first K train rows as shots (lm-eval draws shots per question with a
-fixed seed), and our strict reader takes the last "####" (lm-eval the first; equal when generation stops at
-"Question:"). Expect numbers within a point or two, not identical.
+On the test split each question gets the shots lm-eval draws for it (data.lm_eval_fewshot); on the others, the
+first K train rows. One known difference: our strict reader takes the last "####" (lm-eval the first; equal when
+generation stops at "Question:"), and normalises numbers its own way. Expect numbers within a point, not identical.
 lm-eval's `mbpp` (3-shot) is --template mbpp_kshot --max-tokens 256; its `humaneval` (0-shot) is --template
-humaneval --max-tokens 1024 (greedy: lm-eval's humaneval-greedy; its default samples).
+humaneval --max-tokens 1024 (greedy: lm-eval's humaneval-greedy; its default samples). Its `hendrycks_math` (4-shot)
+is --dataset math --template hendrycks_math_kshot --n-shot 4 --max-tokens 256: lm-eval's prompt and shots exactly,
+its answer span (between the first and last "$"), and our MATH verifier's comparison (`hendrycks_math_score`).
+
+--suite runs all of these (SUITE: GSM8K 0/4/8-shot, MATH 4-shot, IFEval, MBPP 3-shot, HumanEval) with one engine,
+writes each benchmark's samples.jsonl and summary.json in its own folder, and prints our numbers next to
+Qwen3-1.7B-Base's lm-eval numbers. The README's "Reference numbers" say how each row differs from lm-eval's.
 
 Deliberately left out:
   1. Symbolic equivalence for MATH (sympy / math_verify): see verifiers.py for why; the reward is exact match.
@@ -43,6 +49,7 @@ Usage:
         --max-tokens 1280   # lm-eval's ifeval: 0-shot, greedy; prompt/instruction-level strict and loose
     python eval.py --model runs/sft__1__1763700000/checkpoints/step_000200 --dataset gsm8k --template r1_zero \\
         --n 8 --k 1 4 8 --temperature 1.0   # a checkpoint of sft.py: pass@k and maj@k from 8 samples
+    python eval.py --suite --model Qwen/Qwen3-1.7B-Base --data-dir ../shared/data   # the baseline suite, one table
 """
 
 import json
@@ -50,7 +57,7 @@ import os
 import re
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +70,9 @@ import verifiers
 @dataclass
 class Args:
     # --- run ---
+    suite: bool = False
+    """evaluate on the whole baseline suite (SUITE) in one engine start and print one table next to Qwen3-1.7B-Base's
+    lm-eval numbers; each row sets its own dataset, split, template, n_shot and max_tokens"""
     out_dir: str = "results"
     """folder to create the results folder in: <out_dir>/<model>__<dataset>_<split>__<template>__<unix time>/"""
     seed: int = 0
@@ -79,11 +89,12 @@ class Args:
     data_dir: str | None = None
     """data root with one folder per dataset (e.g. ../shared/data: gsm8k/, math/, mbpp/, ...); None: the hub"""
     limit: int | None = None
-    """evaluate only the first N problems of the split (None: all)"""
+    """evaluate only the first N problems of the split (None: all); with --suite, of each benchmark"""
     template: str = "r1_zero"
-    """prompt template: r1_zero | question | chat | gsm8k_kshot | mbpp_kshot | humaneval (see data.py)"""
+    """prompt template: r1_zero | question | chat | gsm8k_kshot | mbpp_kshot | humaneval | hendrycks_math_kshot"""
     n_shot: int = 8
-    """number of exemplars in the prompt: GSM8K train rows (gsm8k_kshot), MBPP tasks 2, 3, 4 (mbpp_kshot, at most 3)"""
+    """number of exemplars in the prompt: GSM8K train rows (gsm8k_kshot), MBPP tasks 2, 3, 4 (mbpp_kshot, at most 3),
+    MATH train problems drawn per problem as lm-eval does (hendrycks_math_kshot, MATH test only)"""
     # --- sampling ---
     n: int = 1
     """responses sampled per problem"""
@@ -93,8 +104,9 @@ class Args:
     """sampling temperature; 0 is greedy"""
     top_p: float = 1.0
     """nucleus sampling: keep the smallest set of tokens with this much probability"""
-    max_tokens: int = 1024
-    """most tokens generated per response (lm-eval's default is 256)"""
+    max_tokens: int | None = None
+    """most tokens generated per response (None: 1024; lm-eval's default is 256); with --suite, None keeps each row's
+    lm-eval setting and a number caps every row (quick CPU runs, not comparable with the reference)"""
     # --- engine ---
     max_model_len: int | None = None
     """most tokens of prompt + response the engine accepts (None: the model's own limit)"""
@@ -102,6 +114,21 @@ class Args:
     """fraction of each GPU's memory the engine may take (weights + KV cache)"""
     tensor_parallel_size: int = 1
     """GPUs to shard the model over"""
+
+
+# The baseline suite: Qwen3-1.7B-Base's lm-evaluation-harness results (%, vLLM, greedy) and our setting for each
+# (README, "Reference numbers": how each differs from lm-eval's). Row: (name, dataset, template, n_shot, max_tokens,
+# {metric: reference}).
+SUITE = [
+    ("gsm8k_0shot", "gsm8k", "gsm8k_kshot", 0, 256, {"eval/flexible_accuracy": 14.71, "eval/strict_accuracy": 0.00}),
+    ("gsm8k_4shot", "gsm8k", "gsm8k_kshot", 4, 256, {"eval/flexible_accuracy": 67.48, "eval/strict_accuracy": 59.14}),
+    ("gsm8k_8shot", "gsm8k", "gsm8k_kshot", 8, 256, {"eval/flexible_accuracy": 69.60, "eval/strict_accuracy": 68.92}),
+    ("math_4shot", "math", "hendrycks_math_kshot", 4, 256, {"eval/accuracy": 17.68}),
+    ("ifeval", "ifeval", "question", 0, 1280,
+     {"eval/prompt_level_strict_acc": 22.00, "eval/inst_level_strict_acc": 33.81}),
+    ("mbpp_3shot", "mbpp", "mbpp_kshot", 3, 256, {"eval/pass@1": 55.8}),
+    ("humaneval_0shot", "humaneval", "humaneval", 0, 1024, {"eval/pass@1": 48.78}),
+]  # fmt: skip
 
 
 # --- metrics: pure functions of the per-problem records ---
@@ -224,6 +251,8 @@ def validate(args: Args) -> None:
     for template, datasets in (("mbpp_kshot", ("mbpp", "mbpp_sanitized")), ("humaneval", ("humaneval",))):
         if (args.template == template) != (args.dataset in datasets):
             raise ValueError(f"template {args.template!r} does not fit dataset {args.dataset!r}")
+    if args.template == "hendrycks_math_kshot" and (args.dataset, args.split) != ("math", "test"):
+        raise ValueError(f"template 'hendrycks_math_kshot' is for the math test split, not {args.dataset}/{args.split}")
     if args.n < 1 or args.n_shot < 0 or (args.limit is not None and args.limit < 1):
         raise ValueError(f"need n >= 1, n_shot >= 0, limit >= 1; got n={args.n}, n_shot={args.n_shot}, {args.limit=}")
     for k in args.k:
@@ -255,24 +284,37 @@ def start_engine(args: Args):
     )
 
 
-def main(args: Args) -> Path:
-    """Evaluate and write samples.jsonl and summary.json; returns the results folder."""
-    # 1. Check the arguments and load the data, so a mistake fails in seconds and not after the engine started.
-    validate(args)
+def load_examples(args: Args) -> tuple[list[dict], list[list[dict] | None]]:
+    """The problems, and for each problem its shots (None for a template without shots)."""
     examples = data.load(args.dataset, args.split, args.data_dir)[: args.limit]
+    per_question = {"gsm8k_kshot": data.gsm8k_lm_eval_fewshot, "hendrycks_math_kshot": data.math_fewshot}
+    if args.template in per_question and args.split == "test":  # lm-eval's test shots: drawn per question
+        shots = per_question[args.template](args.n_shot, args.data_dir)
+        return examples, [shots[ex["id"]] for ex in examples]
     fewshot = None
     if args.template == "gsm8k_kshot":
         fewshot = data.gsm8k_fewshot(args.n_shot, args.data_dir)
     if args.template == "mbpp_kshot":
         fewshot = data.mbpp_fewshot(args.data_dir)[: args.n_shot]
+    return examples, [fewshot] * len(examples)
 
-    # 2. Generate n responses per problem.
-    start = time.time()
-    llm = start_engine(args)
-    engine_start_s = time.time() - start
+
+def hendrycks_math_score(response: str, example: dict) -> dict:
+    """The MATH reward for "hendrycks_math_kshot", whose answers come bare (" $\\frac{1}{2}$"). The answer is what
+    lm-eval's hendrycks_math reads: the text between the first and the last "$", else the whole response. Our MATH
+    verifier compares it with the gold (handed over in answer tags, which it reads first); lm-eval compares strings
+    after its own normalisation (README, "Reference numbers": where the two differ)."""
+    dollars = [i for i, char in enumerate(response) if char == "$"]
+    span = response[dollars[0] + 1 : dollars[-1]] if len(dollars) > 1 else response
+    return verifiers.score(f"<answer>{span}</answer>", example)
+
+
+def evaluate(llm, args: Args, examples: list[dict], shots: list) -> tuple[list[dict], dict]:
+    """Generate n responses per problem and score them: one record per problem, and the times taken."""
     from vllm import SamplingParams
 
-    prompts = [data.render_prompt(ex, args.template, llm.get_tokenizer(), fewshot) for ex in examples]
+    tokenizer = llm.get_tokenizer()
+    prompts = [data.render_prompt(ex, args.template, tokenizer, s) for ex, s in zip(examples, shots, strict=True)]
     params = SamplingParams(
         n=args.n,
         temperature=args.temperature,
@@ -285,10 +327,14 @@ def main(args: Args) -> Path:
     outputs = llm.generate(prompts, params, use_tqdm=True)
     generate_s = time.time() - start
 
-    # 3. Score every response (in one batch: programs run in a pool, one per core); one record per problem.
+    # Score every response (in one batch: programs run in a pool, one per core); one record per problem.
     texts = [[sample.text for sample in output.outputs] for output in outputs]  # n completions each, in sample order
     start = time.time()
-    flat = verifiers.score_batch([t for group in texts for t in group], [ex for ex in examples for _ in range(args.n)])
+    flat_texts, flat_examples = [t for group in texts for t in group], [ex for ex in examples for _ in range(args.n)]
+    if args.template == "hendrycks_math_kshot":
+        flat = [hendrycks_math_score(t, ex) for t, ex in zip(flat_texts, flat_examples, strict=True)]
+    else:
+        flat = verifiers.score_batch(flat_texts, flat_examples)
     score_s = time.time() - start
     records = []
     for i, (example, prompt, output) in enumerate(zip(examples, prompts, outputs, strict=True)):
@@ -300,25 +346,76 @@ def main(args: Args) -> Path:
         record["n_tokens"] = [len(sample.token_ids) for sample in samples]
         record["finish_reasons"] = [sample.finish_reason for sample in samples]  # "stop" or "length"
         records.append(record)
+    return records, {"time/generate_s": generate_s, "time/score_s": score_s}
 
-    # 4. Metrics, files, table.
-    metrics = summarize(records, args.k)
-    metrics["time/engine_start_s"] = engine_start_s
-    metrics["time/generate_s"] = generate_s
-    metrics["time/score_s"] = score_s
-    # The last 3 path parts, so a checkpoint keeps its run's name: "sft__1__1763700000_checkpoints_step_000200".
-    model_name = re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(Path(args.model).parts[-3:])).strip("_")
-    template = f"{args.template}{len(fewshot)}" if fewshot is not None else args.template
-    run_dir = Path(args.out_dir) / f"{model_name}__{args.dataset}_{args.split}__{template}__{int(time.time())}"
+
+def write_results(run_dir: Path, args: Args, records: list[dict], metrics: dict) -> None:
     run_dir.mkdir(parents=True)
     with open(run_dir / "samples.jsonl", "w", encoding="utf-8") as f:
         for record in records:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
     (run_dir / "summary.json").write_text(json.dumps({"args": asdict(args), "metrics": metrics}, indent=2) + "\n")
+
+
+def model_name(args: Args) -> str:
+    """The last 3 path parts, so a checkpoint keeps its run's name: "sft__1__1763700000_checkpoints_step_000200"."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(Path(args.model).parts[-3:])).strip("_")
+
+
+def main(args: Args) -> Path:
+    """Evaluate and write samples.jsonl and summary.json; returns the results folder."""
+    if args.suite:
+        return run_suite(args)
+    args = replace(args, max_tokens=args.max_tokens or 1024)
+    # 1. Check the arguments and load the data, so a mistake fails in seconds and not after the engine started.
+    validate(args)
+    examples, shots = load_examples(args)
+
+    # 2. Generate n responses per problem and score them.
+    start = time.time()
+    llm = start_engine(args)
+    engine_start_s = time.time() - start
+    records, times = evaluate(llm, args, examples, shots)
+
+    # 3. Metrics, files, table.
+    metrics = {**summarize(records, args.k), "time/engine_start_s": engine_start_s, **times}
+    template = f"{args.template}{len(shots[0])}" if shots and shots[0] is not None else args.template
+    run_dir = Path(args.out_dir) / f"{model_name(args)}__{args.dataset}_{args.split}__{template}__{int(time.time())}"
+    write_results(run_dir, args, records, metrics)
     print(f"{args.model} on {args.dataset}/{args.split}, template {template}, n={args.n}, T={args.temperature}")
     print(format_table(metrics))
     print(f"wrote {run_dir}/samples.jsonl and summary.json")
     return run_dir
+
+
+def run_suite(args: Args) -> Path:
+    """Every SUITE row with one engine: <out_dir>/<model>__suite__<time>/<row>/{samples.jsonl,summary.json}."""
+    rows = [
+        replace(args, suite=False, dataset=dataset, split="test", template=template, n_shot=n_shot,
+                max_tokens=args.max_tokens or max_tokens)
+        for _, dataset, template, n_shot, max_tokens, _ in SUITE
+    ]  # fmt: skip
+    for row in rows:  # every mistake before the engine starts
+        validate(row)
+    loaded = [load_examples(row) for row in rows]
+    start = time.time()
+    llm = start_engine(args)
+    engine_start_s = time.time() - start
+    suite_dir = Path(args.out_dir) / f"{model_name(args)}__suite__{int(time.time())}"
+    table = []  # (row name, metric, ours, reference)
+    for (name, *_, references), row, (examples, shots) in zip(SUITE, rows, loaded, strict=True):
+        records, times = evaluate(llm, row, examples, shots)
+        metrics = {**summarize(records, row.k), **times}
+        write_results(suite_dir / name, row, records, metrics)
+        table += [(name, key, 100 * metrics[key], reference) for key, reference in references.items()]
+    (suite_dir / "suite.json").write_text(json.dumps({"args": asdict(args), "engine_start_s": engine_start_s,
+                                                      "table": table}, indent=2) + "\n")  # fmt: skip
+    print(f"{args.model}: the baseline suite, {'first ' + str(args.limit) if args.limit else 'all'} problems each")
+    print(f"{'benchmark':<16} {'metric':<30} {'ours':>7} {'Qwen3-1.7B-Base (lm-eval)':>26}")
+    for name, key, ours, reference in table:
+        print(f"{name:<16} {key:<30} {ours:7.2f} {reference:26.2f}")
+    print(f"wrote {suite_dir}/<benchmark>/samples.jsonl and summary.json, and {suite_dir}/suite.json")
+    return suite_dir
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
 """eval.py: pass@k and majority vote by hand, summarize on hand-built records, two end-to-end runs with a real
-vLLM engine whose summary is recounted from the per-problem JSONL, and argument errors caught before any engine."""
+vLLM engine whose summary is recounted from the per-problem JSONL, argument errors caught before any engine, the
+baseline suite end to end, and the MATH k-shot prompt and answer reading against lm-eval 0.4.13's own code."""
 
+import importlib.util
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 
+import data
 import eval as eval_script
-from eval import Args, majority_vote, pass_at_k, summarize
+from eval import SUITE, Args, majority_vote, pass_at_k, summarize
 
 # --- pass@k ---
 
@@ -203,6 +208,8 @@ def test_end_to_end_gsm8k_kshot(tiny_model_dir, shared_data, tmp_path):
         ({"template": "alpaca"}, r"unknown template 'alpaca'"),
         ({"n": 2, "k": (1, 4), "temperature": 1.0}, r"k=4 must be between 1 and n=2"),
         ({"n": 4, "k": (1,)}, r"n=4 greedy samples"),
+        ({"dataset": "math500", "template": "hendrycks_math_kshot"}, r"hendrycks_math_kshot.*math500/test"),
+        ({"dataset": "math", "split": "train", "template": "hendrycks_math_kshot"}, r"not math/train"),
     ],
 )
 def test_errors_before_the_engine_starts(overrides, message, monkeypatch):
@@ -224,3 +231,169 @@ def test_existing_folder_without_config_is_an_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"'step_100'.*config.json"):  # no "./", but the folder exists here
         eval_script.main(Args(model="step_100"))
+
+
+# --- the baseline suite: one engine, every benchmark in its own folder, one table ---
+
+
+@pytest.fixture(scope="module")
+def tiny_long_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with 4096 positions: its vocabulary is small, so GSM8K's 8-shot prompt is ~2,900 of its tokens."""
+    import tiny_model
+
+    out = tmp_path_factory.mktemp("tiny") / "tiny-qwen3-4k"
+    return tiny_model.main(tiny_model.Args(out=str(out), max_position_embeddings=4096))
+
+
+def test_suite_one_engine_one_table(tiny_long_model_dir, shared_data, tmp_path, monkeypatch, capsys):
+    starts, start_engine = [], eval_script.start_engine
+    monkeypatch.setattr(eval_script, "start_engine", lambda args: starts.append(args) or start_engine(args))
+    args = Args(suite=True, model=str(tiny_long_model_dir), data_dir=str(shared_data), limit=2, max_tokens=16,
+                out_dir=str(tmp_path))  # fmt: skip
+    suite_dir = eval_script.main(args)
+    assert len(starts) == 1 and suite_dir.parent == tmp_path and "tiny-qwen3-4k__suite__" in suite_dir.name
+    table = capsys.readouterr().out.split("Qwen3-1.7B-Base (lm-eval)\n")[1]
+    n_lines = 0
+    for name, dataset, template, n_shot, _, references in SUITE:
+        records, summary = read_run(suite_dir / name)
+        row = summary["args"]
+        assert (row["dataset"], row["split"], row["template"], row["n_shot"]) == (dataset, "test", template, n_shot)
+        assert len(records) == 2 and all(n <= 16 for record in records for n in record["n_tokens"])  # --limit, cap
+        assert {k: v for k, v in summary["metrics"].items() if not k.startswith("time/")} == summarize(records)
+        for key, reference in references.items():  # our number (from summary.json) next to the reference
+            ours = 100 * summary["metrics"][key]
+            assert re.search(rf"^{name} +{key} +{ours:.2f} +{reference:.2f}$", table, flags=re.MULTILINE), (name, key)
+            n_lines += 1
+    assert n_lines == 11  # GSM8K 3 x 2, MATH, IFEval 2, MBPP, HumanEval
+    math_prompt = read_run(suite_dir / "math_4shot")[0][0]["prompt"]
+    assert math_prompt.count("Problem: ") == 5 and math_prompt.endswith("\nAnswer:")
+    assert json.loads((suite_dir / "suite.json").read_text())["table"][6][:2] == ["math_4shot", "eval/accuracy"]
+
+
+# --- GSM8K and MATH k-shot prompts against lm-eval 0.4.13's own task objects, built offline on our local rows ---
+
+LM_EVAL_TASKS = Path(importlib.util.find_spec("lm_eval").origin).parent / "tasks"
+LM_EVAL_MATH = LM_EVAL_TASKS / "hendrycks_math"
+
+
+def lm_eval_module(name):
+    spec = importlib.util.spec_from_file_location(name, LM_EVAL_MATH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def lm_eval_task(yaml_path: Path, rows):
+    """lm-eval's own task object, reading rows(split) instead of downloading the hub copy."""
+    import datasets
+    from lm_eval.api.task import ConfigurableTask
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    config = load_yaml(yaml_path)
+    del config["dataset_path"], config["dataset_name"]
+    config["custom_dataset"] = lambda **kwargs: datasets.DatasetDict(
+        {split: datasets.Dataset.from_list(rows(split)) for split in ("train", "test")}
+    )
+    task = ConfigurableTask(config=config)
+    task.set_fewshot_seed(1234)  # as lm_eval.simple_evaluate does (its default fewshot_random_seed)
+    return task
+
+
+@pytest.mark.parametrize("k", [0, 4, 8])
+def test_gsm8k_prompt_is_lm_evals(k, shared_data):
+    """Every test question, with lm-eval's draws of shots (openai/gsm8k on the hub has the official files' order)."""
+
+    def rows(split):
+        return [json.loads(line) for line in (shared_data / "gsm8k" / f"{split}.jsonl").read_text().splitlines()]
+
+    task = lm_eval_task(LM_EVAL_TASKS / "gsm8k" / "gsm8k.yaml", rows)
+    shots = data.gsm8k_lm_eval_fewshot(k, shared_data)
+    tests = data.load("gsm8k", "test", shared_data)
+    for doc, example in zip(task.test_docs(), tests, strict=True):
+        ours = data.render_prompt(example, "gsm8k_kshot", fewshot=shots[example["id"]])
+        assert ours == task.fewshot_context(doc, k), example["id"]
+    assert len({tuple(s["id"] for s in shot) for shot in shots.values()}) == (1 if k == 0 else len(tests))
+
+
+def lm_eval_math_task(subject: str, yaml_name: str, data_dir: Path):
+    """lm-eval's hendrycks_math task for one subject, on ../shared/data/math in the hub's row order (file names sorted
+    as strings, as EleutherAI/hendrycks_math's loader did)."""
+
+    def rows(split):
+        lines = (data_dir / "math" / f"{split}.jsonl").read_text().splitlines()
+        mine = [row for row in map(json.loads, lines) if row["unique_id"].split("/")[1] == subject]
+        return sorted(mine, key=lambda row: row["unique_id"].rsplit("/", 1)[1])
+
+    return lm_eval_task(LM_EVAL_MATH / yaml_name, rows)
+
+
+@pytest.fixture(scope="module")
+def math_shots_and_tests(shared_data):
+    return data.math_fewshot(4, shared_data), {ex["id"]: ex for ex in data.load("math", "test", shared_data)}
+
+
+# lm-eval 0.4.13 builds every prompt of four subjects, and stops in three at the first problem with a shot whose
+# answer is "[-9, 9]"-like: its doc_to_target reads it as a Python list, and build_qa_turn asserts a string.
+@pytest.mark.parametrize(
+    ("subject", "yaml_name", "n_built"),
+    [
+        ("algebra", "hendrycks_math_algebra.yaml", 29),
+        ("counting_and_probability", "hendrycks_math_counting_and_prob.yaml", 474),
+        ("geometry", "hendrycks_math_geometry.yaml", 479),
+        ("intermediate_algebra", "hendrycks_math_intermediate_algebra.yaml", 89),
+        ("number_theory", "hendrycks_math_num_theory.yaml", 540),  # 6 prompts with an empty-answer shot
+        ("prealgebra", "hendrycks_math_prealgebra.yaml", 871),
+        ("precalculus", "hendrycks_math_precalc.yaml", 121),
+    ],
+)
+def test_math_prompt_is_lm_evals(subject, yaml_name, n_built, math_shots_and_tests, shared_data):
+    shots, tests = math_shots_and_tests
+    task = lm_eval_math_task(subject, yaml_name, shared_data)
+    docs = list(task.test_docs())
+    for i, doc in enumerate(docs[:n_built]):
+        ours = data.render_prompt(tests[doc["unique_id"]], "hendrycks_math_kshot", fewshot=shots[doc["unique_id"]])
+        assert ours == task.fewshot_context(doc, 4), (subject, i)
+    if n_built < len(docs):
+        with pytest.raises(AssertionError, match=r"Answer is not a string! : \[-?\d+, -?\d+\]"):
+            task.fewshot_context(docs[n_built], 4)
+
+
+def test_math_shot_answers_are_lm_evals(shared_data):
+    utils = lm_eval_module("utils")
+    for ex in data.load("math", "train", shared_data):
+        theirs = utils.remove_boxed(utils.last_boxed_only_string(ex["solution"]))
+        assert data._lm_eval_math_answer(ex["solution"]) == theirs, ex["id"]
+
+
+# (response, gold, ours, lm-eval's): the answer is read as lm-eval reads it; the comparison is our MATH verifier's.
+MATH_READS = [
+    (" $\\frac{1}{2}$", "\\frac{1}{2}", 1, 1),
+    (" 5\n\n", "5", 1, 1),  # no "$": the whole response
+    (" $5$ apples", "5", 1, 1),
+    (" $0.5$", "\\frac{1}{2}", 1, 1),
+    (" $\\dfrac{1}{2}$", "\\frac12", 1, 1),
+    (" 3", "5", 0, 0),
+    (" $\\boxed{5}$", "5", 1, 0),  # ours unwraps \boxed; lm-eval compares "\boxed{5}" with "5"
+    (" 5.", "5", 1, 0),  # ours drops a final "."
+    (" $\\frac{2}{4}$", "\\frac{1}{2}", 1, 0),  # ours compares numbers, lm-eval strings
+    (" $10,080$", "10080", 1, 0),
+    (" $\\{1,2\\}$", "\\{2,1\\}", 1, 0),  # ours: sets in any order
+    (" $x = \\text{Evelyn}$", "\\text{Evelyn}", 0, 1),  # ours takes the \text{} at the end for a unit
+]
+
+
+@pytest.mark.parametrize(("response", "gold", "ours", "theirs"), MATH_READS)
+def test_math_answer_reading_vs_lm_eval(response, gold, ours, theirs):
+    example = {"verifier": "math", "answer": gold, "solution": f"\\boxed{{{gold}}}"}
+    assert eval_script.hendrycks_math_score(response, example)["reward"] == ours
+    assert lm_eval_module("utils").process_results(example, [response])["exact_match"] == theirs
+
+
+def test_math_every_gold_in_dollars_scores_as_in_lm_eval(shared_data):
+    """Every test gold as lm-eval's shots write answers (" $gold$"), and the next problem's gold: same verdicts."""
+    utils = lm_eval_module("utils")
+    tests = data.load("math", "test", shared_data)
+    for i, example in enumerate(tests):
+        for response in (f" ${example['answer']}$", f" ${tests[(i + 1) % len(tests)]['answer']}$"):
+            ours = eval_script.hendrycks_math_score(response, example)["reward"]
+            assert ours == utils.process_results(example, [response])["exact_match"], (example["id"], response)
