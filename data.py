@@ -760,7 +760,8 @@ def render_prompt(example: dict, template: str, tokenizer=None, fewshot: list[di
     if template == "chat":
         if tokenizer is None:
             raise ValueError("template 'chat' needs the tokenizer (its chat template)")
-        content = question if code else f"{question}\n{CHAT_INSTRUCTION}"
+        # The "####" line is for answer-checked tasks: code has its own instruction, and an IFEval prompt is the task
+        content = question if code or example["verifier"] == "ifeval" else f"{question}\n{CHAT_INSTRUCTION}"
         messages = [{"role": "user", "content": content}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if template == "gsm8k_kshot":

@@ -345,6 +345,9 @@ def test_question_and_chat():
         'Solve the problem step by step. Write the final answer on the last line as "#### <answer>".'
         "<|end|><|assistant|>"
     )
+    ifeval = {"prompt": "Write a haiku. End it with the word 'done'.", "verifier": "ifeval"}  # no "####" line added
+    rendered = data.render_prompt(ifeval, "chat", tokenizer=ChatTokenizer())
+    assert rendered == f"<|user|>{ifeval['prompt']}<|end|><|assistant|>"
     assert data.render_response(SYNTH, "chat") == "23 + 15 = 38. 38 - 9 = 29.\n#### 29"
     assert data.stop_strings("question") == []
     assert data.stop_strings("chat") == ["<|im_end|>"]
