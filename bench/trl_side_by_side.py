@@ -21,8 +21,6 @@ its _generate_and_score_completions), and the ratio grpo.py / TRL. The TRL side 
 """
 
 import json
-import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,15 +30,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import data  # noqa: E402  (stdlib only: importable from TRL's venv too)
-import verifiers  # noqa: E402
+sys.path.insert(0, str(ROOT / "bench"))
+from grpo_step import SIZES, describe, make_model, median_after_warmup, run_grpo  # noqa: E402
 
-SIZES = {  # tiny_model.py flags, then batch settings: (prompts, group size, max new tokens, microbatch)
-    "tiny": (["--n-layers", "4"], (32, 8, 64, 64)),
-    "25m": (["--hidden-size", "512", "--n-layers", "8", "--n-heads", "8", "--n-kv-heads", "4", "--head-dim", "64",
-             "--intermediate-size", "1536"], (16, 8, 128, 32)),
-}  # fmt: skip
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+import data  # noqa: E402  (these three import only the standard library: TRL's venv has them too)
+import verifiers  # noqa: E402
 
 
 @dataclass
@@ -61,10 +55,6 @@ class Args:
     """--side trl: a key of SIZES (the batch settings)"""
     grpo_args: list[str] = field(default_factory=list)
     """extra grpo.py arguments (e.g. to try an option)"""
-
-
-def median_after_warmup(values: list[float]) -> float:
-    return statistics.median(values[1:] if len(values) > 1 else values)
 
 
 def run_trl(model: str, size: str, steps: int) -> dict:
@@ -116,24 +106,6 @@ def run_trl(model: str, size: str, steps: int) -> dict:
     return {"torch_threads": torch.get_num_threads(), **times}
 
 
-def run_grpo(model: str, size: str, steps: int, out: Path, extra: list[str]) -> dict:
-    """grpo.py at the same settings (under flock: one vLLM engine at a time); per-step seconds from metrics.jsonl."""
-    n_prompts, group, max_tokens, micro = SIZES[size][1]
-    cmd = ["flock", "/tmp/vllm.lock", sys.executable, str(ROOT / "grpo.py"), "--model", model, "--dataset", "synthetic",
-           "--template", "question", "--n-grpo-steps", str(steps), "--rollout-batch-size", str(n_prompts * group),
-           "--train-batch-size", str(n_prompts * group), "--group-size", str(group), "--microbatch-size", str(micro),
-           "--max-tokens", str(max_tokens), "--lr", "1e-5", "--lr-schedule", "constant", "--beta", "0",
-           "--loss-aggregation", "token_mean", "--no-drop-zero-variance-groups", "--n-eval", "8",
-           "--eval-max-tokens", "8", "--eval-every", "100000", "--save-every", "100000", "--output-dir", str(out),
-           *extra]  # fmt: skip
-    subprocess.run(cmd, check=True, env={**os.environ, **ENGINE_ENV}, stdout=subprocess.DEVNULL)
-    (metrics_file,) = out.glob("*/metrics.jsonl")
-    rows = [json.loads(line) for line in metrics_file.open()][1:]  # [0]: the evaluation at step 0
-    return {key: [r[f"time/{key}"] for r in rows] for key in ("generate", "score", "train", "reload")} | {
-        "step": [sum(r[f"time/{k}"] for k in ("generate", "score", "train", "reload")) for r in rows]
-    }  # the last step's time/step also holds its evaluation: the sum of the phases leaves it out
-
-
 def main(args: Args) -> list[dict]:
     if args.side == "trl":
         print(json.dumps(run_trl(args.model, args.size, args.steps)))
@@ -141,16 +113,12 @@ def main(args: Args) -> list[dict]:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="side_by_side_"))
     rows = []
     for size in args.sizes:
-        model = work / f"model-{size}"
-        if not (model / "config.json").exists():
-            subprocess.run([sys.executable, str(ROOT / "tiny_model.py"), "--out", str(model), *SIZES[size][0]],
-                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        model = make_model(work, size)
         row = {"size": size}
         if args.side in ("both", "grpo"):
-            out = work / f"grpo-{size}-{int(time.time())}"
-            row["grpo"] = run_grpo(str(model), size, args.steps, out, args.grpo_args)
+            row["grpo"] = run_grpo(model, size, args.steps, work / f"grpo-{size}-{time.time_ns()}", args.grpo_args)
         if args.side in ("both", "trl"):
-            cmd = [args.trl_python, __file__, "--side", "trl", "--model", str(model), "--size", size,
+            cmd = [args.trl_python, __file__, "--side", "trl", "--model", model, "--size", size,
                    "--steps", str(args.steps)]  # fmt: skip
             done = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
             row["trl"] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -160,9 +128,7 @@ def main(args: Args) -> list[dict]:
 
 
 def print_row(row: dict) -> None:
-    n_prompts, group, max_tokens, micro = SIZES[row["size"]][1]
-    print(f"{row['size']}: {n_prompts * group} completions ({n_prompts} x {group}), <= {max_tokens} tokens, "
-          f"microbatch {micro}; seconds per step, median of the steps after the first")  # fmt: skip
+    print(f"{describe(row['size'])}; seconds per step, median of the steps after the first")
     cols = {}
     if "trl" in row:
         t = {k: median_after_warmup(v) for k, v in row["trl"].items() if isinstance(v, list)}
