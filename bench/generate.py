@@ -103,7 +103,8 @@ def main(args: Args) -> list[dict]:
         r = {"size": size, **json.loads(done.stdout.strip().splitlines()[-1])}
         vllm_rate, hf_rate = r["vllm_tokens"] / r["vllm_s"], r["hf_tokens"] / r["hf_s"]
         print(f"{describe(size)}\n  vLLM engine   {r['vllm_tokens']:>6.0f} tokens {r['vllm_s']:6.2f} s "
-              f"{vllm_rate:7.0f} tokens/s\n  transformers  {r['hf_tokens']:>6.0f} tokens {r['hf_s']:6.2f} s {hf_rate:7.0f} tokens/s\n"
+              f"{vllm_rate:7.0f} tokens/s\n  transformers  {r['hf_tokens']:>6.0f} tokens {r['hf_s']:6.2f} s "
+              f"{hf_rate:7.0f} tokens/s\n"
               f"  ratio vLLM / transformers (tokens/s): {vllm_rate / hf_rate:.2f}", flush=True)  # fmt: skip
         rows.append({**r, "vllm_tokens_per_s": vllm_rate, "hf_tokens_per_s": hf_rate})
     return rows
