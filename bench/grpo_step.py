@@ -8,7 +8,7 @@ response is trained on) and prints the median seconds of each phase over the ste
     python bench/grpo_step.py --sizes tiny --steps 3
     python bench/grpo_step.py --grpo-args --microbatch-size 16    # try an option
 
-Each run starts a vLLM engine: run it under `flock /tmp/vllm.lock` where engines share a machine (it does that itself).
+Each run starts a vLLM engine: where engines share a machine, wrap the command in `flock /tmp/vllm.lock`.
 Standard library only at import, so bench/trl_side_by_side.py can import it from TRL's virtual environment.
 """
 
@@ -57,7 +57,7 @@ def run_grpo(model: str, size: str, steps: int, out: Path, extra: list[str] = ()
     """grpo.py at the size's settings; per-step seconds of each phase, and "step", their sum (the last step's
     time/step also holds the final evaluation: the sum leaves it out)."""
     n_prompts, group, max_tokens, micro = SIZES[size][1]
-    cmd = ["flock", "/tmp/vllm.lock", sys.executable, str(ROOT / "grpo.py"), "--model", model, "--dataset", "synthetic",
+    cmd = [sys.executable, str(ROOT / "grpo.py"), "--model", model, "--dataset", "synthetic",
            "--template", "question", "--n-grpo-steps", str(steps), "--rollout-batch-size", str(n_prompts * group),
            "--train-batch-size", str(n_prompts * group), "--group-size", str(group), "--microbatch-size", str(micro),
            "--max-tokens", str(max_tokens), "--lr", "1e-5", "--lr-schedule", "constant", "--beta", "0",
