@@ -25,7 +25,8 @@ def test_tiny_shape_trains_on_cpu():
     args = train_step.Args(shape="tiny", microbatch_sizes=[1, 2], seq_len=16, steps=1, accumulation=2)
     rows = train_step.main(args)
     assert [row["microbatch_size"] for row in rows] == [1, 2]
-    assert all(row["tokens_per_s"] > 0 and row["mfu"] is None and row["peak_gib"] > 0 for row in rows)
+    # on a CPU the MFU is over the measured matmul peak: a fraction, though a noisy one on a shared machine
+    assert all(row["tokens_per_s"] > 0 and 0 < row["mfu"] < 2 and row["peak_gib"] > 0 for row in rows)
 
 
 def test_cpu_matmul_peak_is_a_positive_rate():
