@@ -6,16 +6,19 @@ GPU, get_response_log_probs with entropy, grpo_microbatch_train_step (grpo_clip,
 batch. For each microbatch size it prints
 
     tokens/s   trained tokens (prompt + response) per second over the timed steps
-    MFU        6 x parameters x tokens/s over the device's bf16 dense peak (--peak-tflops; H100 SXM: 989)
+    MFU        6 x parameters x tokens/s over the device's bf16 dense peak (--peak-tflops; H100 SXM: 989); on a CPU,
+               over a MEASURED float32 peak: the best of a few 2048 x 2048 matmuls (cpu_matmul_tflops)
     peak GiB   torch.cuda.max_memory_allocated (GPU), or the process's peak RSS (CPU)
 
     python bench/train_step.py                                  # GPU: Qwen3-1.7B shape, microbatch 1, 2, 4, 8
     python bench/train_step.py --gradient-checkpointing
     python bench/train_step.py --shape tiny --seq-len 128       # no GPU: a small shape on the CPU
+    python bench/train_step.py --shape 25m --seq-len 160 --microbatch-sizes 32   # the issue's 25M row's microbatch
 
 It needs torch and transformers only, so it runs on a GPU machine where vLLM is not installed (see IMPORT below).
 """
 
+import math
 import resource
 import sys
 import time
@@ -40,6 +43,11 @@ SHAPES = {  # Qwen3-1.7B-Base's config.json (1.72e9 parameters, tied embeddings)
                        head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True),
     "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                  intermediate_size=768, vocab_size=151936, tie_word_embeddings=True),
+    # the issue's two CPU sizes, as tiny_model.py builds them (its BPE vocabulary has 477 tokens)
+    "ladder": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   intermediate_size=384, vocab_size=477, tie_word_embeddings=True),
+    "25m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                intermediate_size=1536, vocab_size=477, tie_word_embeddings=True),
 }  # fmt: skip
 
 
@@ -56,7 +64,20 @@ class Args:
     accumulation: int = 4
     """microbatches per optimizer step"""
     peak_tflops: float | None = None
-    """the device's bf16 dense peak, for MFU (default: 989 on an H100, 989 on an H200, none on a CPU)"""
+    """the device's bf16 dense peak, for MFU (default: 989 on an H100 or H200; on a CPU, cpu_matmul_tflops)"""
+
+
+def cpu_matmul_tflops(n: int = 2048, repeats: int = 5) -> float:
+    """The CPU's float32 peak as torch reaches it: 2 n^3 FLOPs per n x n matmul, the fastest of `repeats`. A
+    measured limit, not the datasheet's (2 cores of AVX2 FMA at ~2.7 GHz: ~0.17 TFLOP/s)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e12
 
 
 def peak_gib(device: torch.device) -> float:
@@ -92,6 +113,9 @@ def main(args: Args) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     peak = args.peak_tflops or (989.0 if any(g in name for g in ("H100", "H200")) else None)
+    if peak is None and device.type == "cpu":
+        peak = cpu_matmul_tflops()
+        name = f"CPU ({torch.get_num_threads()} threads; measured float32 matmul peak {peak:.3f} TFLOP/s)"
     torch.manual_seed(0)
     config = Qwen3Config(**SHAPES[args.shape], max_position_embeddings=max(4096, args.seq_len))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)

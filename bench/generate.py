@@ -1,0 +1,116 @@
+"""Generation: tokens/s of grpo.py's vLLM engine against transformers' generate, same model, prompts and sampling.
+
+The reason the project samples with vLLM. Both sides get the synthetic task's prompts (template "question"), group size
+8 (vLLM: n=8 with a prefix cache; transformers: num_return_sequences=8), temperature 1, top-p 1, float32, at most
+--max-tokens new tokens, on a random-weight model from tiny_model.py (grpo_step.py's SIZES: the issue's two rows).
+
+    python bench/generate.py                      # tiny and 25m, each in its own process (one engine each)
+    python bench/generate.py --sizes tiny --repeats 1
+
+Prints, per size: generated tokens, seconds and tokens/s of each side (median of --repeats after a warm-up) and the
+ratio vLLM / transformers.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from grpo_step import SIZES, describe, make_model  # noqa: E402
+
+
+@dataclass
+class Args:
+    sizes: list[str] = field(default_factory=lambda: list(SIZES))
+    """keys of grpo_step.SIZES (the batch: prompts, group size, max new tokens)"""
+    repeats: int = 2
+    """timed generations per side (median), after one warm-up"""
+    work_dir: str | None = None
+    """where the models go (None: a temporary folder)"""
+    model: str | None = None
+    """time this one model folder here, in this process, and print one JSON line (what each size's process runs)"""
+    size: str = "tiny"
+    """with --model: the key of grpo_step.SIZES whose batch to generate"""
+
+
+def time_model(model: str, size: str, repeats: int) -> dict:
+    import torch
+    from vllm import SamplingParams
+
+    sys.path.insert(0, str(ROOT))
+    import data
+    import grpo
+
+    n_prompts, group, max_tokens, _ = SIZES[size][1]
+    llm = grpo.init_vllm(model, "cpu", 1, 0.3, 1024)
+    tokenizer = llm.get_tokenizer()
+    prompts = [data.render_prompt(ex, "question") for ex in data.load("synthetic", "train")[:n_prompts]]
+    params = [
+        SamplingParams(n=group, temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=j) for j in range(n_prompts)
+    ]
+    policy, _ = grpo.seed_and_load_policy(model, "cpu", False, 1)
+    policy.eval()
+    tokenizer.padding_side = "left"  # generate appends to the right: prompts must end at the same column
+    encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+    def vllm_generate() -> int:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+    def hf_generate() -> int:
+        with torch.no_grad():
+            out = policy.generate(**encoded, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                  max_new_tokens=max_tokens, num_return_sequences=group,
+                                  pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        new = out[:, encoded["input_ids"].shape[1] :]
+        # tokens up to and including the first EOS (generate pads the finished rows with it)
+        is_eos = new == tokenizer.eos_token_id
+        ended = is_eos.any(dim=1)
+        return int(torch.where(ended, is_eos.int().argmax(dim=1) + 1, new.shape[1]).sum())
+
+    def timed(fn) -> tuple[float, int]:
+        fn()  # warm-up
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            n_tokens = fn()
+            runs.append((time.perf_counter() - t0, n_tokens))
+        return statistics.median(s for s, _ in runs), statistics.median(n for _, n in runs)
+
+    (vllm_s, vllm_tokens), (hf_s, hf_tokens) = timed(vllm_generate), timed(hf_generate)
+    return {"vllm_s": vllm_s, "vllm_tokens": vllm_tokens, "hf_s": hf_s, "hf_tokens": hf_tokens}
+
+
+def main(args: Args) -> list[dict]:
+    if args.model:
+        print(json.dumps(time_model(args.model, args.size, args.repeats)))
+        return []
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="generate_"))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    print(f"generation, median of {args.repeats}; load average {os.getloadavg()[0]:.1f}")
+    rows = []
+    for size in args.sizes:
+        cmd = [sys.executable, __file__, "--model", make_model(work, size), "--size", size,
+               "--repeats", str(args.repeats)]  # fmt: skip
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
+        r = {"size": size, **json.loads(done.stdout.strip().splitlines()[-1])}
+        vllm_rate, hf_rate = r["vllm_tokens"] / r["vllm_s"], r["hf_tokens"] / r["hf_s"]
+        print(f"{describe(size)}\n  vLLM engine   {r['vllm_tokens']:>6.0f} tokens {r['vllm_s']:6.2f} s "
+              f"{vllm_rate:7.0f} tokens/s\n  transformers  {r['hf_tokens']:>6.0f} tokens {r['hf_s']:6.2f} s "
+              f"{hf_rate:7.0f} tokens/s\n"
+              f"  ratio vLLM / transformers (tokens/s): {vllm_rate / hf_rate:.2f}", flush=True)  # fmt: skip
+        rows.append({**r, "vllm_tokens_per_s": vllm_rate, "hf_tokens_per_s": hf_rate})
+    return rows
+
+
+if __name__ == "__main__":
+    import tyro
+
+    main(tyro.cli(Args))
