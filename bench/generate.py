@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from grpo_step import SIZES, describe, make_model  # noqa: E402
+from grpo_step import ENGINE_ENV, SIZES, describe, make_model  # noqa: E402
 
 
 @dataclass
@@ -93,7 +93,7 @@ def main(args: Args) -> list[dict]:
         print(json.dumps(time_model(args.model, args.size, args.repeats)))
         return []
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="generate_"))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**os.environ, **ENGINE_ENV}
     print(f"generation, median of {args.repeats}; load average {os.getloadavg()[0]:.1f}")
     rows = []
     for size in args.sizes:

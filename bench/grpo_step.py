@@ -24,11 +24,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("generate", "score", "train", "reload")
-SIZES = {  # tiny_model.py flags, then (prompts, group size, max new tokens, microbatch): the issue's two rows
-    "tiny": (["--n-layers", "4"], (32, 8, 64, 64)),
-    "25m": (["--hidden-size", "512", "--n-layers", "8", "--n-heads", "8", "--n-kv-heads", "4", "--head-dim", "64",
-             "--intermediate-size", "1536"], (16, 8, 128, 32)),
+MODELS = {  # tiny_model.py flags: the issue's two sizes, and a few-hundred-million-parameter one (bench/reload.py)
+    "tiny": ["--n-layers", "4"],
+    "25m": ["--hidden-size", "512", "--n-layers", "8", "--n-heads", "8", "--n-kv-heads", "4", "--head-dim", "64",
+            "--intermediate-size", "1536"],
+    "300m": ["--hidden-size", "1024", "--n-layers", "24", "--n-heads", "16", "--n-kv-heads", "8", "--head-dim", "64",
+             "--intermediate-size", "3072"],
 }  # fmt: skip
+SIZES = {  # the model's flags, then (prompts, group size, max new tokens, microbatch): the issue's two rows
+    "tiny": (MODELS["tiny"], (32, 8, 64, 64)),
+    "25m": (MODELS["25m"], (16, 8, 128, 32)),
+}
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
@@ -48,7 +54,7 @@ def make_model(work: Path, size: str) -> str:
     """The size's random-weight model (tiny_model.py, seed 0), built once in work/."""
     model = work / f"model-{size}"
     if not (model / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "tiny_model.py"), "--out", str(model), *SIZES[size][0]],
+        subprocess.run([sys.executable, str(ROOT / "tiny_model.py"), "--out", str(model), *MODELS[size]],
                        check=True, capture_output=True)  # fmt: skip
     return str(model)
 

@@ -23,19 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SIZES = {  # tiny_model.py flags: the issue's two sizes and a few-hundred-million-parameter one
-    "tiny": ["--n-layers", "4"],
-    "25m": ["--hidden-size", "512", "--n-layers", "8", "--n-heads", "8", "--n-kv-heads", "4", "--head-dim", "64",
-            "--intermediate-size", "1536"],
-    "300m": ["--hidden-size", "1024", "--n-layers", "24", "--n-heads", "16", "--n-kv-heads", "8", "--head-dim", "64",
-             "--intermediate-size", "3072"],
-}  # fmt: skip
+sys.path.insert(0, str(ROOT / "bench"))
+from grpo_step import ENGINE_ENV, MODELS, make_model  # noqa: E402
 
 
 @dataclass
 class Args:
-    sizes: list[str] = field(default_factory=lambda: list(SIZES))
-    """keys of SIZES"""
+    sizes: list[str] = field(default_factory=lambda: list(MODELS))
+    """keys of grpo_step.MODELS"""
     repeats: int = 5
     """timed reloads per size (median), after one warm-up"""
     work_dir: str | None = None
@@ -84,18 +79,13 @@ def main(args: Args) -> list[dict]:
         print(json.dumps(time_model(args.model, args.repeats)))
         return []
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="reload_"))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**os.environ, **ENGINE_ENV}
     print(f"reload into the vLLM engine (CPU, float32), median of {args.repeats}; load average "
           f"{os.getloadavg()[0]:.1f}\n{'size':>6} {'params':>8} {'MB':>7} {'reload s':>9} {'MB/s':>7} "
           f"{'copy s':>7} {'MB/s':>7} {'reload/copy':>11} {'check s':>8}")  # fmt: skip
     rows = []
     for size in args.sizes:
-        model = work / f"model-{size}"
-        if not (model / "config.json").exists():
-            subprocess.run([sys.executable, str(ROOT / "tiny_model.py"), "--out", str(model), *SIZES[size]],
-                           check=True, capture_output=True)  # fmt: skip
-        cmd = [sys.executable, __file__, "--model", str(model), "--repeats",
-               str(args.repeats)]  # fmt: skip
+        cmd = [sys.executable, __file__, "--model", make_model(work, size), "--repeats", str(args.repeats)]
         done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
         r = {"size": size, **json.loads(done.stdout.strip().splitlines()[-1])}
         mb = r["bytes"] / 1e6
