@@ -431,10 +431,13 @@ def check_vllm_follows_policy(policy, llm: LLM, probe_prompts: list[list[int]], 
     return gap
 
 
-def check_reload_at_start(policy, llm: LLM, probe_prompts: list[list[int]], device: str, tol: float | None) -> float:
+def check_reload_at_start(
+    policy, llm: LLM, probe_prompts: list[list[int]], device: str, tol: float | None
+) -> tuple[float, float]:
     """Once, before training. The probe gap now, with the same weights on both sides, is the engine's own noise: the
     baseline. Then zero the engine's weights and reload: a tensor the reload misses stays zero and the check trips.
-    Returns the tolerance for every later check: tol, or with tol None (bf16) max(4 x baseline, 0.05)."""
+    Returns the tolerance for every later check (tol, or with tol None (bf16) max(4 x baseline, 0.05)) and the gap
+    after the reload: the engine now follows the policy, and step 0 needs no other reload."""
     baseline = probe_gap(policy, llm, probe_prompts, device)
     tol = max(4 * baseline, 0.05) if tol is None else tol
     with engine_device(device):
@@ -444,7 +447,7 @@ def check_reload_at_start(policy, llm: LLM, probe_prompts: list[list[int]], devi
         llm.reset_prefix_cache()  # the baseline probe cached keys and values that would hide a missed tensor
     gap = check_vllm_follows_policy(policy, llm, probe_prompts, device, tol)
     print(f"reload check: baseline gap {baseline:.2g}, after zeroing and reloading {gap:.2g}; stops above {tol:.2g}")
-    return tol
+    return tol, gap
 
 
 def reload_and_check(policy, llm: LLM, probe_prompts: list[list[int]], device: str, tol: float) -> float:
@@ -697,7 +700,7 @@ def main(args: Args) -> Path:
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(args.warmup_ratio * n_steps), n_steps)
     start_step = resume_from(checkpoint, optimizer, scheduler, run_dir)
     log = make_logger(run_dir, args.track, args.wandb_project, asdict(args))
-    reload_tol = check_reload_at_start(policy, llm, probe_prompts, vllm_device, reload_tol)
+    reload_tol, start_gap = check_reload_at_start(policy, llm, probe_prompts, vllm_device, reload_tol)
 
     def evaluate_policy(step: int) -> dict:
         """Greedy evaluation through the engine (which follows the policy: checked at every reload), each dataset on
@@ -717,8 +720,7 @@ def main(args: Args) -> Path:
         return {**metrics, **sample_metrics, "time/eval": time.time() - t0}
 
     if start_step == 0:
-        gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)
-        log({**evaluate_policy(0), "reload/logprob_gap": gap}, 0)
+        log({**evaluate_policy(0), "reload/logprob_gap": start_gap}, 0)
 
     # --- ALGORITHM: one optimizer step per batch of `batch_size` examples ---
     for step in range(start_step, n_steps):

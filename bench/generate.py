@@ -8,11 +8,19 @@ The reason the project samples with vLLM. Both sides get the synthetic task's pr
     python bench/generate.py --sizes tiny --repeats 1
 
 Prints, per size: generated tokens, seconds and tokens/s of each side (median of --repeats after a warm-up) and the
-ratio vLLM / transformers.
+ratio vLLM / transformers. With --profile, then one more engine call under cProfile and where it went: own seconds
+per source file (the model's matmul and attention kernels, vLLM's scheduler, its output processing). cProfile slows
+the Python parts several times over, so read its seconds as a ranking, not as the unprofiled call's split. The engine
+samples as grpo.py's does: with each sampled token's log-prob (logprobs=0), which transformers' side does not compute.
+
+    python bench/generate.py --sizes 25m --repeats 1 --profile
 """
 
+import collections
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -38,9 +46,23 @@ class Args:
     """time this one model folder here, in this process, and print one JSON line (what each size's process runs)"""
     size: str = "tiny"
     """with --model: the key of grpo_step.SIZES whose batch to generate"""
+    profile: bool = False
+    """also profile one engine call, and print the functions with the most own time"""
 
 
-def time_model(model: str, size: str, repeats: int) -> dict:
+def own_time_by_file(fn, n: int = 12) -> list[tuple[str, float]]:
+    """Run fn under cProfile: the seconds spent in each source file's own code (not in what it calls), the n largest.
+    Built-in functions (the C++ kernels among them) have no file: each counts under its own name."""
+    profile = cProfile.Profile()
+    profile.runcall(fn)
+    seconds = collections.Counter()
+    # pstats' table: {(file, line, function): (calls, primitive calls, own seconds, cumulative seconds, callers)}
+    for (file, _, function), (_, _, own, *_) in pstats.Stats(profile).stats.items():
+        seconds[function if file == "~" else Path(file).name] += own
+    return seconds.most_common(n)
+
+
+def time_model(model: str, size: str, repeats: int, profile: bool = False) -> dict:
     import torch
     from vllm import SamplingParams
 
@@ -52,8 +74,9 @@ def time_model(model: str, size: str, repeats: int) -> dict:
     llm = grpo.init_vllm(model, "cpu", 1, 0.3, 1024)
     tokenizer = llm.get_tokenizer()
     prompts = [data.render_prompt(ex, "question") for ex in data.load("synthetic", "train")[:n_prompts]]
-    params = [
-        SamplingParams(n=group, temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=j) for j in range(n_prompts)
+    params = [  # grpo.py's sampling: with each sampled token's log-prob (for its importance-sampling correction)
+        SamplingParams(n=group, temperature=1.0, top_p=1.0, max_tokens=max_tokens, logprobs=0, seed=j)
+        for j in range(n_prompts)
     ]
     policy, _ = grpo.seed_and_load_policy(model, "cpu", False, 1)
     policy.eval()
@@ -85,12 +108,13 @@ def time_model(model: str, size: str, repeats: int) -> dict:
         return statistics.median(s for s, _ in runs), statistics.median(n for _, n in runs)
 
     (vllm_s, vllm_tokens), (hf_s, hf_tokens) = timed(vllm_generate), timed(hf_generate)
-    return {"vllm_s": vllm_s, "vllm_tokens": vllm_tokens, "hf_s": hf_s, "hf_tokens": hf_tokens}
+    top = own_time_by_file(vllm_generate) if profile else []
+    return {"vllm_s": vllm_s, "vllm_tokens": vllm_tokens, "hf_s": hf_s, "hf_tokens": hf_tokens, "vllm_profile": top}
 
 
 def main(args: Args) -> list[dict]:
     if args.model:
-        print(json.dumps(time_model(args.model, args.size, args.repeats)))
+        print(json.dumps(time_model(args.model, args.size, args.repeats, args.profile)))
         return []
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="generate_"))
     env = {**os.environ, **ENGINE_ENV}
@@ -98,7 +122,7 @@ def main(args: Args) -> list[dict]:
     rows = []
     for size in args.sizes:
         cmd = [sys.executable, __file__, "--model", make_model(work, size), "--size", size,
-               "--repeats", str(args.repeats)]  # fmt: skip
+               "--repeats", str(args.repeats), *(["--profile"] if args.profile else [])]  # fmt: skip
         done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
         r = {"size": size, **json.loads(done.stdout.strip().splitlines()[-1])}
         vllm_rate, hf_rate = r["vllm_tokens"] / r["vllm_s"], r["hf_tokens"] / r["hf_s"]
@@ -106,6 +130,9 @@ def main(args: Args) -> list[dict]:
               f"{vllm_rate:7.0f} tokens/s\n  transformers  {r['hf_tokens']:>6.0f} tokens {r['hf_s']:6.2f} s "
               f"{hf_rate:7.0f} tokens/s\n"
               f"  ratio vLLM / transformers (tokens/s): {vllm_rate / hf_rate:.2f}", flush=True)  # fmt: skip
+        if r["vllm_profile"]:
+            print("  one engine call under cProfile, own seconds by file:")
+            print("\n".join(f"    {own:6.2f}  {name}" for name, own in r["vllm_profile"]), flush=True)
         rows.append({**r, "vllm_tokens_per_s": vllm_rate, "hf_tokens_per_s": hf_rate})
     return rows
 

@@ -1,5 +1,7 @@
-"""Shared fixtures: the repo root on sys.path, the local datasets, and a tiny model built once per session."""
+"""Shared fixtures: the repo root on sys.path, the local datasets, and a tiny model built once per session; and
+interrupted_at_call, for the tests that stop a run and resume it."""
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -29,3 +31,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     import tiny_model
 
     return tiny_model.main(tiny_model.Args(out=str(tmp_path_factory.mktemp("tiny") / "tiny-qwen3")))
+
+
+@contextlib.contextmanager
+def interrupted_at_call(module, name: str, n: int):
+    """Within it, the n-th call of module.name raises KeyboardInterrupt, as a run killed there would stop (the calls
+    before it run as usual); the function is put back on leaving, and the interrupt must have happened."""
+    real, calls = getattr(module, name), []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(KeyboardInterrupt):
+        mp.setattr(module, name, counted)
+        yield

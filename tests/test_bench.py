@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import generate  # noqa: E402
 import grpo_step  # noqa: E402
+import overlap  # noqa: E402
 import reload  # noqa: E402
 import train_step  # noqa: E402
 
@@ -60,3 +61,19 @@ def test_generate_bench_counts_tokens_of_both_sides(tmp_path):
     for side in ("vllm", "hf"):
         assert 256 <= row[f"{side}_tokens"] <= 256 * 64, row
         assert row[f"{side}_s"] > 0
+
+
+def test_overlap_bench_times_each_phase_apart_and_both_at_once(tmp_path):
+    # starts a vLLM engine in a subprocess; tiny model; one timed round of each
+    (row,) = overlap.main(overlap.Args(sizes=["tiny"], repeats=1, work_dir=str(tmp_path)))
+    assert row["responses"] == 256 and min(row["generate_s"], row["train_s"], row["both_s"]) > 0
+    # the most overlap can hide is the faster phase: between 1/2 (equal phases) and 1
+    assert 0.5 <= row["best_ratio"] < 1 and row["ratio"] == row["both_s"] / (row["generate_s"] + row["train_s"])
+
+
+def test_profile_adds_up_own_time_by_file():
+    def work():
+        return sorted(range(200_000), key=lambda i: -i)  # the key's calls are this file's own time
+
+    seconds = dict(generate.own_time_by_file(work))
+    assert seconds["test_bench.py"] > 0 and seconds["<built-in method builtins.sorted>"] > 0

@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from conftest import interrupted_at_call
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -554,18 +555,8 @@ def test_resume_ends_where_an_uninterrupted_run_does(tiny_model_dir, tmp_path, m
     full = grpo.main(tiny_args(tiny_model_dir, tmp_path / "full", **kwargs))
 
     # Stop the second run during step 2, after its rollouts are written: it restarts from the step-1 checkpoint.
-    real_check, calls = grpo.check_vllm_follows_policy, []
-
-    def check_then_stop(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:  # at the start, after step 1, after step 2
-            raise KeyboardInterrupt
-        return real_check(*args, **kwargs)
-
-    monkeypatch.setattr(grpo, "check_vllm_follows_policy", check_then_stop)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at_call(grpo, "check_vllm_follows_policy", 3):  # checks: at the start, after steps 1 and 2
         grpo.main(tiny_args(tiny_model_dir, tmp_path / "stopped", **kwargs))
-    monkeypatch.setattr(grpo, "check_vllm_follows_policy", real_check)
     (stopped,) = (tmp_path / "stopped").iterdir()
     assert len(read_jsonl(stopped / "rollouts.jsonl")) == 2 * 4  # step 2's rollouts were written
     resumed = grpo.main(tiny_args(tiny_model_dir, tmp_path / "stopped", resume=str(stopped), **kwargs))
@@ -657,8 +648,9 @@ def test_reload_check_is_exact_and_covers_every_weight(tiny_model_dir, monkeypat
     tokenizer = grpo.AutoTokenizer.from_pretrained(tiny_model_dir)
     probe = grpo.make_probe_prompts(tokenizer, ["Tom has 12 apples. He buys 30 more. 12 + 30 = 42"])
     # Same weights both sides. Given no tolerance (bf16), it is calibrated: 4 x the baseline gap, at least 0.05.
-    assert grpo.check_reload_at_start(policy, llm, probe, "cpu", None) == 0.05
-    assert grpo.check_reload_at_start(policy, llm, probe, "cpu", 1e-3) == 1e-3
+    assert grpo.check_reload_at_start(policy, llm, probe, "cpu", None)[0] == 0.05
+    tol, gap = grpo.check_reload_at_start(policy, llm, probe, "cpu", 1e-3)
+    assert tol == 1e-3 and gap <= tol
     assert grpo.weights_that_differ(policy, llm, "cpu") == []
 
     # A skipped reload after a step far below what the log-prob probe sees: the read-back slices still differ.

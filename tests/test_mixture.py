@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import interrupted_at_call
 from transformers import AutoTokenizer
 
 import data
@@ -338,18 +339,8 @@ def grpo_curriculum_run(small_splits, tiny_model_dir, shared_data, tmp_path_fact
     args = grpo.Args(**run_settings(tiny_model_dir, shared_data, tmp_path / "runs", n_grpo_steps=2, save_every=1,
                                     rollout_batch_size=96, train_batch_size=96, microbatch_size=32, lr=1e-2,
                                     eval_every=1000, curriculum=[f"mbpp={tmp_path / 'mbpp_order.txt'}"]))  # fmt: skip
-    real_check, calls = grpo.check_vllm_follows_policy, []
-
-    def check_then_stop(*a, **kw):
-        calls.append(1)
-        if len(calls) == 3:  # at the start, after step 1, after step 2
-            raise KeyboardInterrupt
-        return real_check(*a, **kw)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(grpo, "check_vllm_follows_policy", check_then_stop)
-        with pytest.raises(KeyboardInterrupt):
-            grpo.main(args)
+    with interrupted_at_call(grpo, "check_vllm_follows_policy", 3):  # checks: at the start, after steps 1 and 2
+        grpo.main(args)
     (run_dir,) = (tmp_path / "runs").iterdir()
     data._DRAWN.clear()
     assert grpo.main(replace(args, resume=str(run_dir))) == run_dir
