@@ -22,7 +22,6 @@ import json
 import os
 import pstats
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from grpo_step import ENGINE_ENV, SIZES, describe, make_model  # noqa: E402
+from grpo_step import SIZES, describe, make_model, run_in_own_process  # noqa: E402
 
 
 @dataclass
@@ -117,14 +116,12 @@ def main(args: Args) -> list[dict]:
         print(json.dumps(time_model(args.model, args.size, args.repeats, args.profile)))
         return []
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="generate_"))
-    env = {**os.environ, **ENGINE_ENV}
     print(f"generation, median of {args.repeats}; load average {os.getloadavg()[0]:.1f}")
     rows = []
     for size in args.sizes:
-        cmd = [sys.executable, __file__, "--model", make_model(work, size), "--size", size,
-               "--repeats", str(args.repeats), *(["--profile"] if args.profile else [])]  # fmt: skip
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-        r = {"size": size, **json.loads(done.stdout.strip().splitlines()[-1])}
+        child = ["--model", make_model(work, size), "--size", size, "--repeats", str(args.repeats),
+                 *(["--profile"] if args.profile else [])]  # fmt: skip
+        r = {"size": size, **run_in_own_process(__file__, child)}
         vllm_rate, hf_rate = r["vllm_tokens"] / r["vllm_s"], r["hf_tokens"] / r["hf_s"]
         print(f"{describe(size)}\n  vLLM engine   {r['vllm_tokens']:>6.0f} tokens {r['vllm_s']:6.2f} s "
               f"{vllm_rate:7.0f} tokens/s\n  transformers  {r['hf_tokens']:>6.0f} tokens {r['hf_s']:6.2f} s "

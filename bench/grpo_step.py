@@ -59,6 +59,14 @@ def make_model(work: Path, size: str) -> str:
     return str(model)
 
 
+def run_in_own_process(script: str, args: list[str]) -> dict:
+    """`python script *args` in a fresh process with the engine's environment (one vLLM engine per process), and the
+    JSON object it prints on its last line: how reload.py, generate.py and overlap.py time one model each."""
+    done = subprocess.run([sys.executable, script, *args], check=True, capture_output=True, text=True,
+                          env={**os.environ, **ENGINE_ENV})  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_grpo(model: str, size: str, steps: int, out: Path, extra: list[str] = ()) -> dict[str, list[float]]:
     """grpo.py at the size's settings; per-step seconds of each phase, and "step", their sum (the last step's
     time/step also holds the final evaluation: the sum leaves it out)."""

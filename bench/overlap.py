@@ -22,7 +22,6 @@ Each size runs in its own process (one engine each): where engines share a machi
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from grpo_step import ENGINE_ENV, SIZES, describe, make_model  # noqa: E402
+from grpo_step import SIZES, describe, make_model, run_in_own_process  # noqa: E402
 
 
 @dataclass
@@ -118,14 +117,12 @@ def main(args: Args) -> list[dict]:
         print(json.dumps(time_model(args.model, args.size, args.repeats, args.vllm_device, args.policy_device)))
         return []
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="overlap_"))
-    env = {**os.environ, **ENGINE_ENV}
     print(f"generate and train, apart and at once; median of {args.repeats}; load average {os.getloadavg()[0]:.1f}")
     rows = []
     for size in args.sizes:
-        cmd = [sys.executable, __file__, "--model", make_model(work, size), "--size", size, "--repeats",
-               str(args.repeats), "--vllm-device", args.vllm_device, "--policy-device", args.policy_device]  # fmt: skip
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-        r = {"size": size, **json.loads(done.stdout.strip().splitlines()[-1])}
+        child = ["--model", make_model(work, size), "--size", size, "--repeats", str(args.repeats),
+                 "--vllm-device", args.vllm_device, "--policy-device", args.policy_device]  # fmt: skip
+        r = {"size": size, **run_in_own_process(__file__, child)}
         apart = r["generate_s"] + r["train_s"]
         r["ratio"], r["best_ratio"] = r["both_s"] / apart, max(r["generate_s"], r["train_s"]) / apart
         print(f"{describe(size)}\n  generate {r['generate_s']:.2f} s + train {r['train_s']:.2f} s = {apart:.2f} s "

@@ -15,7 +15,6 @@ Prints, per size: parameters, MB sent, reload seconds and MB/s, the plain copy's
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from grpo_step import ENGINE_ENV, MODELS, make_model  # noqa: E402
+from grpo_step import MODELS, make_model, run_in_own_process  # noqa: E402
 
 
 @dataclass
@@ -79,15 +78,13 @@ def main(args: Args) -> list[dict]:
         print(json.dumps(time_model(args.model, args.repeats)))
         return []
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="reload_"))
-    env = {**os.environ, **ENGINE_ENV}
     print(f"reload into the vLLM engine (CPU, float32), median of {args.repeats}; load average "
           f"{os.getloadavg()[0]:.1f}\n{'size':>6} {'params':>8} {'MB':>7} {'reload s':>9} {'MB/s':>7} "
           f"{'copy s':>7} {'MB/s':>7} {'reload/copy':>11} {'check s':>8}")  # fmt: skip
     rows = []
     for size in args.sizes:
-        cmd = [sys.executable, __file__, "--model", make_model(work, size), "--repeats", str(args.repeats)]
-        done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-        r = {"size": size, **json.loads(done.stdout.strip().splitlines()[-1])}
+        child = ["--model", make_model(work, size), "--repeats", str(args.repeats)]
+        r = {"size": size, **run_in_own_process(__file__, child)}
         mb = r["bytes"] / 1e6
         print(f"{size:>6} {r['n_params'] / 1e6:>7.1f}M {mb:>7.1f} {r['reload_s']:>9.3f} {mb / r['reload_s']:>7.0f} "
               f"{r['copy_s']:>7.3f} {mb / r['copy_s']:>7.0f} {r['reload_s'] / r['copy_s']:>11.1f} "
