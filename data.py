@@ -32,6 +32,7 @@ import json
 import math
 import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -944,3 +945,129 @@ def mixture_questions_and_seeds(
             picks[slot] = (d, i)
     first_seed = int(rng.integers(2**30))
     return picks, [first_seed + j * group_size for j in range(n_prompts)]
+
+
+# --- Tasks: what a training script needs of its datasets, from one call ---
+
+
+@dataclass
+class Task:
+    """The datasets of a run, made by load_task. `train`: every dataset's train examples, one dataset after another,
+    each tagged with its "dataset" (`sizes` says where each begins); `evals`: each dataset's evaluation examples."""
+
+    names: list[str]
+    weights: list[float]
+    templates: dict[str, str]
+    train: list[dict]
+    sizes: list[int]
+    orders: list[list[int] | None]
+    evals: dict[str, list[dict]]
+    tokenizer: object = None
+
+    def prompt(self, example: dict) -> str:
+        return render_prompt(example, self.templates[example["dataset"]], self.tokenizer)
+
+    def response(self, example: dict) -> str:
+        return render_response(example, self.templates[example["dataset"]])
+
+    def stop(self, example: dict) -> list[str] | None:
+        return stop_strings(self.templates[example["dataset"]]) or None
+
+    def questions(self, n_questions: int, group_size: int, seed: int, step: int) -> tuple[list[dict], list[int]]:
+        """The questions of step `step` and the engine's sampling seed for each (mixture_questions_and_seeds)."""
+        picks, seeds = mixture_questions_and_seeds(self.sizes, self.weights, n_questions, group_size, seed, step,
+                                                   self.orders)  # fmt: skip
+        starts = np.cumsum([0, *self.sizes]).tolist()  # where each dataset's examples begin
+        return [self.train[starts[d] + i] for d, i in picks], seeds
+
+    def rollout_metrics(self, examples: list[dict], rewards: list[list[float]]) -> dict:
+        """rollout/<dataset>/count (questions drawn) and /reward_mean (NaN when none was drawn), from Q examples and
+        their Q lists of G rewards."""
+        metrics = {}
+        for name in self.names:
+            drawn = [group for ex, group in zip(examples, rewards, strict=True) if ex["dataset"] == name]
+            metrics[f"rollout/{name}/count"] = len(drawn)
+            metrics[f"rollout/{name}/reward_mean"] = float(np.mean(drawn)) if drawn else math.nan
+        return metrics
+
+
+def load_task(args, tokenizer=None, n_questions: int = 0, train: bool = True) -> Task:
+    """The task of a script's Args: its mixture --dataset ("gsm8k" or "gsm8k:0.5,math:0.5"), --template and
+    --dataset-templates, --curriculum (if the script has it), the train examples (unless train=False), and the first
+    --n-eval examples of each dataset's --eval-split, from --data-dir. Every bad spec raises here, before a script
+    starts its engine. n_questions: questions per step, checked against each dataset's train split."""
+    mixture = parse_mixture(args.dataset)
+    names, weights = [name for name, _ in mixture], [weight for _, weight in mixture]
+    templates = dataset_templates(names, args.template, args.dataset_templates)
+    order_files = parse_per_dataset(getattr(args, "curriculum", []), names, "--curriculum")
+    examples, sizes, orders = load_mixture(names, "train", args.data_dir, order_files) if train else ([], [], [])
+    for name, size, weight in zip(names, sizes, weights, strict=False):  # a step draws n w / sum(w) on average
+        if n_questions * weight / sum(weights) > size:
+            raise ValueError(f"{n_questions} questions per step, {weight / sum(weights):.0%} from {name}, but its "
+                             f"train split has {size}")  # fmt: skip
+    split = {name: eval_split(name, args.eval_split) for name in names}
+    evals = {name: [{**ex, "dataset": name} for ex in load(name, split[name], args.data_dir)[: args.n_eval]]
+             for name in names}  # fmt: skip
+    return Task(names, weights, templates, examples, sizes, orders, evals, tokenizer)
+
+
+def eval_metrics(records: list[dict]) -> dict:
+    """Greedy evaluation's means over records {"dataset", "reward": reward dict, "n_tokens", "truncated"}: over all
+    of them, and eval/<dataset>/accuracy for each dataset (the totals of a mixture are a mean over its tasks' n_eval)."""
+    mean = lambda key, rows: float(np.mean([r[key] for r in rows]))
+    metrics = {f"eval/{d}/accuracy": float(np.mean([r["reward"]["reward"] for r in records if r["dataset"] == d]))
+               for d in dict.fromkeys(r["dataset"] for r in records)}  # fmt: skip
+    return {
+        "eval/accuracy": float(np.mean([r["reward"]["reward"] for r in records])),
+        "eval/format_rate": float(np.mean([r["reward"]["format_reward"] for r in records])),
+        "eval/response_length": mean("n_tokens", records),
+        "eval/truncation_rate": mean("truncated", records),
+        **metrics,
+    }
+
+
+# --- SFT pairs: (prompt, response) from a JSONL file or from the datasets' worked solutions ---
+
+
+def read_sft_file(path: str, fields: tuple[str, ...] = ("prompt", "response")) -> list[dict]:
+    """Rows of {"prompt", "response"} (optionally "answer", "verifier"); a bad row names its file, line and field."""
+    rows = []
+    for where, row in _read_jsonl(Path(path)):
+        for key in fields:
+            _field(row, key, where)
+        rows.append(row)
+    return rows
+
+
+def sft_pairs(task: Task, sft_file: str | None, n_examples: int | None, seed: int, keep=None) -> list[dict]:
+    """The SFT pairs {"prompt", "response", "example"}: sft_file's rows, or each dataset's worked solutions in its
+    template. keep(pair) -> bool filters them first (e.g. the verifier accepts the response); then mix_pairs."""
+    if sft_file:
+        rows = read_sft_file(sft_file, ("prompt", "response") + (("answer", "verifier") if keep else ()))
+        pair_sets, weights = [[{"prompt": r["prompt"], "response": r["response"], "example": r} for r in rows]], [1.0]
+    else:
+        if "ifeval" in task.names:
+            raise ValueError("ifeval has no worked solutions to fine-tune on: leave it out, or give --sft-file")
+        starts = np.cumsum([0, *task.sizes]).tolist()
+        pair_sets = [[{"prompt": task.prompt(ex), "response": task.response(ex), "example": ex}
+                      for ex in task.train[a:b]] for a, b in zip(starts, starts[1:])]  # fmt: skip
+        weights = task.weights
+    pair_sets = [[p for p in pairs if keep(p)] for pairs in pair_sets] if keep else pair_sets
+    return mix_pairs(pair_sets, weights, n_examples, seed)
+
+
+def mix_pairs(pair_sets: list[list[dict]], weights: list[float], n_examples: int | None, seed: int) -> list[dict]:
+    """One dataset: its first n_examples pairs (all if None). A mixture: dataset d gives floor(n w_d / sum(w)) pairs,
+    a random subset drawn from (seed, d), where n is n_examples, or else the largest n for which no dataset runs out
+    (each pair then used at most once an epoch); shuffled together, each batch holds the weights' shares on average."""
+    if len(pair_sets) == 1:
+        return pair_sets[0][:n_examples]
+    shares = [weight / sum(weights) for weight in weights]
+    n = n_examples or int(min(len(pairs) / share for pairs, share in zip(pair_sets, shares, strict=True) if share))
+    mixed = []
+    for d, (pairs, share) in enumerate(zip(pair_sets, shares, strict=True)):
+        if int(n * share) > len(pairs):
+            raise ValueError(f"{n} examples: dataset {d + 1} of the mixture has {len(pairs)}, its weight asks for "
+                             f"{int(n * share)}; lower --n-examples")  # fmt: skip
+        mixed += [pairs[i] for i in np.random.default_rng([seed, d]).permutation(len(pairs))[: int(n * share)]]
+    return mixed
