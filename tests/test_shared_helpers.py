@@ -86,7 +86,7 @@ def test_every_function_two_scripts_define_is_an_identical_copy(a, b):
     assert not different, f"{a} and {b} define different {different}"
 
 
-NAMED = ["evaluate", "log_generations", "resolve_devices", "resume_from", "main.evaluate_policy"]
+NAMED = ["evaluate", "log_generations", "reload_and_check", "resolve_devices", "resume_from"]
 
 
 @pytest.mark.parametrize("name", NAMED)
