@@ -1013,7 +1013,7 @@ def load_task(args, tokenizer=None, n_questions: int = 0, train: bool = True) ->
 
 def eval_metrics(records: list[dict]) -> dict:
     """Greedy evaluation's means over records {"dataset", "reward": reward dict, "n_tokens", "truncated"}: over all
-    of them, and eval/<dataset>/accuracy for each dataset (the totals of a mixture are a mean over its tasks' n_eval)."""
+    of them, and eval/<dataset>/accuracy for each dataset (a mixture's totals weigh each dataset by its n_eval)."""
     mean = lambda key, rows: float(np.mean([r[key] for r in rows]))
     metrics = {f"eval/{d}/accuracy": float(np.mean([r["reward"]["reward"] for r in records if r["dataset"] == d]))
                for d in dict.fromkeys(r["dataset"] for r in records)}  # fmt: skip
@@ -1050,7 +1050,7 @@ def sft_pairs(task: Task, sft_file: str | None, n_examples: int | None, seed: in
             raise ValueError("ifeval has no worked solutions to fine-tune on: leave it out, or give --sft-file")
         starts = np.cumsum([0, *task.sizes]).tolist()
         pair_sets = [[{"prompt": task.prompt(ex), "response": task.response(ex), "example": ex}
-                      for ex in task.train[a:b]] for a, b in zip(starts, starts[1:])]  # fmt: skip
+                      for ex in task.train[a:b]] for a, b in zip(starts, starts[1:], strict=False)]  # fmt: skip
         weights = task.weights
     pair_sets = [[p for p in pairs if keep(p)] for pairs in pair_sets] if keep else pair_sets
     return mix_pairs(pair_sets, weights, n_examples, seed)

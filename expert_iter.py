@@ -158,9 +158,8 @@ def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], t
 
 
 def collate_token_ids(prompt_ids: list[list[int]], output_ids: list[list[int]], pad_id: int) -> dict:
-    """Concatenate, pad and shift for next-token prediction: input_ids, labels, response_mask, each (B, max_len - 1);
-    the mask is 1 exactly where the label is an output token. Built from lengths, never by comparing ids with the pad
-    id: where pad == EOS (Qwen3 base models), that would hide the EOS the model must learn to emit."""
+    """Concatenate, pad and shift: input_ids, labels, response_mask (1 where the label is an output token), each
+    (B, max_len - 1). From lengths, not pad ids: pad == EOS in Qwen3 base models, and the EOS must be learned."""
     max_len = max(len(p) + len(o) for p, o in zip(prompt_ids, output_ids, strict=True))
     full = torch.full((len(prompt_ids), max_len), pad_id, dtype=torch.long)  # (B, L)
     is_output = torch.zeros((len(prompt_ids), max_len), dtype=torch.bool)  # (B, L)
@@ -271,8 +270,8 @@ def engine_device(device: str):
 
 
 def init_vllm(model: str, device: str, seed: int, gpu_memory_utilization: float, max_model_len: int) -> LLM:
-    """A vLLM engine in this process (reload_weights then takes the trainer's tensors directly) on "cpu" or "cuda:N".
-    It reseeds every RNG. processed_logprobs: a sampled token's log-prob after temperature, as it was sampled."""
+    """A vLLM engine in this process (reload_weights then takes the trainer's tensors directly) on "cpu" or "cuda:N";
+    processed_logprobs: a sampled token's log-prob after temperature, as it was sampled."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     common = dict(model=model, seed=seed, max_model_len=max_model_len, enable_prefix_caching=True,
                   logprobs_mode="processed_logprobs")  # fmt: skip
@@ -291,9 +290,8 @@ def init_vllm(model: str, device: str, seed: int, gpu_memory_utilization: float,
 
 
 def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
-    """Copy the trainer's weights into the running engine (vLLM's reload_weights runs the model's own loaders), and
-    drop its prefix cache, computed with the OLD weights. state_dict(), not named_parameters(): that one leaves out
-    the tied lm_head.weight, which would stay stale."""
+    """Copy the trainer's weights into the running engine and drop its prefix cache (computed with the OLD weights).
+    state_dict(), not named_parameters(): that one leaves out the tied lm_head.weight, which would stay stale."""
     with engine_device(device):
         weights = [(name, t.detach().to(llm.llm_engine.model_config.dtype)) for name, t in policy.state_dict().items()]
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -302,16 +300,14 @@ def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
 
 
 def make_probe_prompts(tokenizer, texts: list[str], n_tokens: int = 400) -> list[list[int]]:
-    """Two fixed n_tokens-long prompts for the reload check. Long: a prefix cache reuses only full blocks (128 tokens
-    on CPU, 16 on GPU), so only a prompt of several blocks can reveal stale entries."""
+    """Two fixed prompts for the reload check, long: a prefix cache reuses only full blocks (128 tokens on CPU)."""
     ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"] * (2 * n_tokens)  # surely long enough
     return [ids[:n_tokens], ids[n_tokens : 2 * n_tokens]]
 
 
 def weights_that_differ(policy, llm: LLM, device: str) -> list[str]:
-    """The engine's weights that differ from the trainer's cast to the engine's dtype, bit for bit, in every 64th row;
-    a fused weight (qkv_proj, gate_up_proj) is the trainer's parts stacked. Exact in bf16 too, where a log-prob probe
-    drowns in noise. On CPU, vLLM moves linear weights into oneDNN and leaves empty parameters: those are skipped."""
+    """The engine's weights that differ, bit for bit, from the trainer's in the engine's dtype (every 64th row; a fused
+    weight stacks the trainer's parts): exact in bf16 too. On CPU, linear weights live in oneDNN (empty): skipped."""
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     state, rows = policy.state_dict(), lambda t: t if t.dim() == 1 else t[::64]
     with engine_device(device):
@@ -327,8 +323,7 @@ def weights_that_differ(policy, llm: LLM, device: str) -> list[str]:
 
 def probe_gap(policy, llm: LLM, probe_prompts: list[list[int]], device: str, n_tokens: int = 16) -> float:
     """The engine continues each probe greedily, the trainer scores the same tokens: the worse prompt's median
-    |log-prob difference| (one near-tie token in bf16 must not stop a run). Generated, not teacher-forced: prompt
-    log-probs skip the prefix cache, and a stale cache is one thing this must catch."""
+    |log-prob gap| (a near-tie token in bf16 must not stop a run). Generated: prompt log-probs skip the prefix cache."""
     params = SamplingParams(temperature=0.0, max_tokens=n_tokens, logprobs=0, ignore_eos=True)
     with engine_device(device):
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe_prompts], params, use_tqdm=False)
@@ -344,9 +339,8 @@ def probe_gap(policy, llm: LLM, probe_prompts: list[list[int]], device: str, n_t
 
 
 def reload_and_check(policy, llm: LLM, probe_prompts: list[list[int]], device: str, tol: float) -> float:
-    """Copy the trainer's weights into the engine and prove it follows them, or raise: the weights read back must
-    equal the trainer's (a skipped or partial reload) and the probe's gap stay within tol (a stale prefix cache, a
-    wrong dtype or kernel; ~1e-6 in float32). Warns above tol / 10. Returns the gap."""
+    """Copy the trainer's weights into the engine and prove it follows them, or raise: the weights read back equal
+    the trainer's, and the probe's gap is within tol (~1e-6 in float32); a warning above tol / 10. Returns the gap."""
     load_policy_into_vllm(policy, llm, device)
     differ, gap = weights_that_differ(policy, llm, device), probe_gap(policy, llm, probe_prompts, device)
     if differ or not gap <= tol:
@@ -361,8 +355,8 @@ def reload_and_check(policy, llm: LLM, probe_prompts: list[list[int]], device: s
 
 
 def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, devices: tuple[str, str], run_dir: Path, step: int):
-    """Greedy responses to each dataset's eval examples in its template, scored by verifiers.score_batch: metrics per
-    dataset and in all; log_generations' few go to generations.jsonl. devices: (trainer's, engine's)."""
+    """Greedy responses to each dataset's eval examples, scored: metrics per dataset and in all; a few responses go to
+    generations.jsonl (log_generations). devices: (trainer's, engine's)."""
     t0, examples = time.time(), [ex for name in task.names for ex in task.evals[name]]
     prompts = [task.prompt(ex) for ex in examples]  # stop strings stay in the output: the verifier reads them
     params = [SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens, stop=task.stop(ex),
@@ -381,8 +375,8 @@ def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, devices: tuple[
 
 
 def log_generations(policy, tokenizer, records: list[dict], policy_device: str) -> tuple[dict, list[dict]]:
-    """The trainer's mean token entropy over each record's response, and length statistics: (metrics, the records
-    with "mean_token_entropy"), for generations.jsonl. None, not NaN, where there is nothing: strict JSON."""
+    """The trainer's mean token entropy over each record's response, and lengths: (metrics, records with
+    "mean_token_entropy"). None, not NaN, where there is nothing: strict JSON."""
     out, mean = [], lambda xs: float(np.mean(xs)) if xs else None
     for record in records:
         batch = tokenize_prompt_and_output([record["prompt"]], [record["response"]], tokenizer)
@@ -394,19 +388,20 @@ def log_generations(policy, tokenizer, records: list[dict], policy_device: str) 
     lengths = lambda correct: mean([r["n_tokens"] for r in out if (r["reward"]["reward"] == 1) == correct])
     return {"eval/sample_token_entropy": mean([r["mean_token_entropy"] for r in out]),
             "eval/sample_length": mean([r["n_tokens"] for r in out]),
-            "eval/sample_length_correct": lengths(True), "eval/sample_length_incorrect": lengths(False)}, out  # fmt: skip
+            "eval/sample_length_correct": lengths(True),
+            "eval/sample_length_incorrect": lengths(False)}, out  # fmt: skip
 
 
 # --- PLUMBING: run folder, devices, policy, checkpoints, logging (same in sft.py, expert_iter.py and grpo.py) ---
 
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {"resume", "output_dir", "track", "wandb_project", "policy_device", "vllm_device",
-                     "vllm_gpu_memory_utilization", "gradient_checkpointing", "keep_checkpoints", "reload_tol"}  # fmt: skip
+                     "vllm_gpu_memory_utilization", "gradient_checkpointing", "keep_checkpoints",
+                     "reload_tol"}  # fmt: skip
 
 
 def restore_args(args):
-    """With --resume: the stopped run's arguments (args.json). A non-default argument that differs from the run's is
-    refused (ValueError naming it), unless RESUME_MAY_CHANGE lists it."""
+    """With --resume: the stopped run's arguments. A non-default one that differs is refused, unless it may change."""
     if not args.resume:
         return args
     saved, defaults = json.loads((Path(args.resume) / "args.json").read_text()), type(args)()
@@ -427,8 +422,8 @@ def make_run_dir(args) -> Path:
 
 
 def resolve_devices(args) -> tuple[str, str, float, float]:
-    """(trainer's device, engine's, the engine's share of its GPU's memory, reload tolerance). Two GPUs: one each. One
-    GPU: the engine gets a bounded share. No GPU: both on the CPU, in float32. "cuda" is "cuda:0", so they compare."""
+    """(trainer's device, engine's, the engine's share of its GPU, reload tolerance). Two GPUs: one each; one GPU:
+    shared; none: both on the CPU, in float32. "cuda" is "cuda:0", so that they compare."""
     canonical = lambda d: str(torch.device(d.type, d.index or 0) if (d := torch.device(d)).type == "cuda" else d)
     policy_device = canonical(args.policy_device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     vllm_device = canonical(args.vllm_device or ("cuda:1" if torch.cuda.device_count() > 1 else policy_device))
@@ -437,8 +432,8 @@ def resolve_devices(args) -> tuple[str, str, float, float]:
 
 
 def load_policy(model_path: str, device: str, gradient_checkpointing: bool, seed: int):
-    """Seed torch (after the engine started: it reseeds), make the trainer's GPU current (the engine made its own
-    current), load the model in float32, train mode. Returns it and its context: bf16 autocast on a GPU."""
+    """Seed torch, make the trainer's GPU current (the engine made its own current), load the model in float32, train
+    mode. Returns it and its context: bf16 autocast on a GPU."""
     torch.manual_seed(seed)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -455,9 +450,8 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, keep: int) -> None:
-    """checkpoints/step_N: a Hugging Face model folder and trainer_state.pt (optimizer, scheduler, step; no RNG state:
-    all that is random derives from (seed, step)), written as step_N.tmp then renamed: a run killed mid-save keeps
-    its last checkpoint. Then all but the newest `keep` are deleted (0: none)."""
+    """checkpoints/step_N: a Hugging Face model folder and trainer_state.pt (no RNG state: all that is random derives
+    from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses nothing. Keeps the newest `keep`."""
     final = run_dir / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -475,8 +469,8 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
 
 
 def resume_from(run_dir: Path, optimizer, scheduler, *record_files: str) -> int:
-    """Restore the newest checkpoint's optimizer and scheduler and return its step (0 without one). Records written
-    after it are dropped (by rename: a crash leaves the file whole), to be written again."""
+    """Restore the newest checkpoint's optimizer and scheduler, return its step (0 without one). Records written after
+    it are dropped (by rename: a crash leaves the file whole)."""
     if not checkpoints(run_dir):
         return 0
     state = torch.load(checkpoints(run_dir)[-1] / "trainer_state.pt", weights_only=False)
@@ -566,7 +560,7 @@ def main(args: Args) -> Path:
         responses = [[c.text for c in group] for group in completions]  # (Q, G)
         # One batch through score_batch: code examples run their programs in a pool of processes, one per core.
         flat = iter(verifiers.score_batch([text for group in responses for text in group],
-                                          [ex for ex, group in zip(examples, responses, strict=True) for _ in group]))  # fmt: skip
+                                          [ex for ex in examples for _ in range(args.group_size)]))  # fmt: skip
         scores = [[next(flat) for _ in group] for group in responses]  # (Q, G) reward dicts
         rewards = [[s["reward"] for s in group] for group in scores]  # (Q, G)
         kept = select_correct(examples, prompts, responses, rewards)
