@@ -83,8 +83,7 @@ class Args:
 
     # --- data ---
     dataset: str = "gsm8k"
-    """gsm8k | math | mbpp | ifeval | synthetic, or a mixture with weights, gsm8k:0.25,math:0.25,mbpp:0.25,ifeval:0.25:
-    each question's dataset is drawn by weight; questions come from the train splits, evaluation from --eval-split"""
+    """gsm8k | math | mbpp | ifeval | synthetic, or a weighted mixture, e.g. gsm8k:0.5,math:0.5 (docs/tasks.md)"""
     data_dir: str | None = None
     """data root with one folder per dataset (e.g. ../shared/data: gsm8k/, math/, ...); None: the Hugging Face hub"""
     template: str = "r1_zero"
@@ -142,8 +141,8 @@ class Args:
     keep_checkpoints: int = 2
     """keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all"""
     reload_tol: float | None = None
-    """largest mean |log-prob gap| between engine and trainer allowed after a reload; None: 1e-3 in float32 (CPU),
-    in bfloat16 4 x the gap measured at the start (at least 0.05); README: Your first GPU run"""
+    """stop when the engine's log-probs differ from the trainer's by more (reload_and_check); None: 1e-3 in float32
+    (CPU), 0.5 in bfloat16 (GPU)"""
 
 
 # --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py and grpo.py) ---

@@ -74,13 +74,11 @@ class Args:
 
     # --- data ---
     dataset: str = "gsm8k"
-    """gsm8k | math | mbpp | synthetic, or a mixture with weights, gsm8k:0.5,math:0.25,mbpp:0.25 (build_sft_pairs):
-    trained on the train splits (unless --sft-file), each dataset evaluated on --eval-split"""
+    """gsm8k | math | mbpp | synthetic, or a weighted mixture, e.g. gsm8k:0.5,math:0.5 (docs/tasks.md)"""
     data_dir: str | None = None
     """data root with one folder per dataset (e.g. ../shared/data: gsm8k/, math/, ...); None: the Hugging Face hub"""
     sft_file: str | None = None
-    """JSONL of {"prompt", "response"} pairs to train on instead of the dataset's own solutions; rows may add
-    "answer" and "verifier" (needed by --filter-correct)"""
+    """JSONL of {"prompt", "response"} pairs (with "answer", "verifier" for --filter-correct) instead of solutions"""
     template: str = "r1_zero"
     """prompt template from data.py (r1_zero | question | chat) for the dataset's solutions and for evaluation"""
     dataset_templates: list[str] = field(default_factory=list)
@@ -124,8 +122,8 @@ class Args:
     keep_checkpoints: int = 2
     """keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all"""
     reload_tol: float | None = None
-    """largest mean |log-prob gap| between engine and trainer allowed after a reload; None: 1e-3 in float32 (CPU),
-    in bfloat16 4 x the gap measured at the start (at least 0.05); README: Your first GPU run"""
+    """stop when the engine's log-probs differ from the trainer's by more (reload_and_check); None: 1e-3 in float32
+    (CPU), 0.5 in bfloat16 (GPU)"""
 
 
 # --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py and grpo.py) ---
