@@ -56,93 +56,54 @@ import verifiers
 @dataclass
 class Args:
     # --- run ---
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment; the run folder is runs/<exp_name>__<seed>__<unix time>"""
-    seed: int = 1
-    """seed for the questions and sampling seeds of each step, the SFT data order and the engine"""
-    output_dir: str = "runs"
-    """where run folders are made"""
-    resume: str | None = None
-    """a run folder to continue from its last checkpoint (the other arguments should match the original run's)"""
-    track: bool = False
-    """also log to Weights & Biases (pip install wandb)"""
-    wandb_project: str = "rlvr-expert-iter"
-    """the W&B project, with --track"""
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # runs/<exp_name>__<seed>__<unix time>
+    seed: int = 1  # seed for the questions and sampling seeds of each step, the SFT data order and the engine
+    output_dir: str = "runs"  # where run folders are made
+    resume: str | None = None  # a run folder to continue from its last checkpoint
+    track: bool = False  # also log to Weights & Biases (pip install wandb)
+    wandb_project: str = "rlvr-expert-iter"  # the W&B project, with --track
 
     # --- model ---
-    model: str = "Qwen/Qwen3-1.7B-Base"
-    """Hugging Face model name or local model folder to start from (usually an sft.py checkpoint)"""
-    policy_device: str | None = None
-    """device of the trainer; None: cuda:0 if there is a GPU, else cpu"""
-    vllm_device: str | None = None
-    """device of the vLLM engine; None: cuda:1 with two GPUs, else the policy's device"""
-    vllm_gpu_memory_utilization: float | None = None
-    """fraction of the engine GPU's memory vLLM may take; None: 0.85 alone on its GPU, 0.3 beside the trainer"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, about 30% more time"""
+    model: str = "Qwen/Qwen3-1.7B-Base"  # Hugging Face name or folder (an sft.py checkpoint)
+    policy_device: str | None = None  # device of the trainer; None: cuda:0 if there is a GPU, else cpu
+    vllm_device: str | None = None  # device of the vLLM engine; None: cuda:1 with two GPUs, else the policy's device
+    vllm_gpu_memory_utilization: float | None = None  # the engine's share of its GPU; None: 0.85 alone, 0.3 shared
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, about 30% more time
 
     # --- data ---
-    dataset: str = "gsm8k"
-    """gsm8k | math | mbpp | ifeval | synthetic, or a weighted mixture, e.g. gsm8k:0.5,math:0.5 (docs/tasks.md)"""
-    data_dir: str | None = None
-    """data root with one folder per dataset (e.g. ../shared/data: gsm8k/, math/, ...); None: the Hugging Face hub"""
-    template: str = "r1_zero"
-    """prompt template from data.py (r1_zero | question | chat) for sampling and evaluation"""
-    dataset_templates: list[str] = field(default_factory=list)
-    """a template for some datasets of the mixture instead of --template, e.g. ifeval=question"""
-    curriculum: list[str] = field(default_factory=list)
-    """order files (one example id a line) for some datasets, e.g. mbpp=order.txt: their questions come in that order"""
-    max_seq_len: int = 1536
-    """longest prompt + response trained on, in tokens; longer ones are cut at the end"""
+    dataset: str = "gsm8k"  # gsm8k | math | mbpp | synthetic, or a mixture: gsm8k:0.5,math:0.5
+    data_dir: str | None = None  # data root, one folder per dataset (../shared/data); None: the hub
+    template: str = "r1_zero"  # prompt template from data.py (r1_zero | question | chat) for sampling and evaluation
+    dataset_templates: list[str] = field(default_factory=list)  # e.g. ifeval=question: another template for a dataset
+    curriculum: list[str] = field(default_factory=list)  # e.g. mbpp=order.txt: a dataset's questions in a file's order
+    max_seq_len: int = 1536  # longest prompt + response trained on, in tokens; longer ones are cut at the end
 
     # --- expert iteration ---
-    n_ei_steps: int = 5
-    """expert-iteration steps: each samples, filters and fine-tunes once"""
-    n_questions: int = 512
-    """training questions sampled per step (without replacement within a step)"""
-    group_size: int = 8
-    """responses sampled per question"""
-    n_sft_epochs: int = 1
-    """passes over each step's kept responses"""
-    temperature: float = 1.0
-    """sampling temperature (0 would make the group_size responses one response)"""
-    top_p: float = 1.0
-    """nucleus sampling: keep the smallest set of tokens with this much probability"""
-    max_tokens: int = 1024
-    """max new tokens per sampled response"""
+    n_ei_steps: int = 5  # expert-iteration steps: each samples, filters and fine-tunes once
+    n_questions: int = 512  # training questions sampled per step (without replacement within a step)
+    group_size: int = 8  # responses sampled per question
+    n_sft_epochs: int = 1  # passes over each step's kept responses
+    temperature: float = 1.0  # sampling temperature (0 would make the group_size responses one response)
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this much probability
+    max_tokens: int = 1024  # max new tokens per sampled response
 
     # --- optim ---
-    lr: float = 2e-5
-    """learning rate of AdamW after warmup (constant)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    warmup_steps: int = 10
-    """optimizer steps (counted over the whole run) of linear warmup from 0 to --lr"""
-    batch_size: int = 32
-    """kept responses per optimizer step (the last batch of an epoch may be smaller)"""
-    microbatch_size: int = 2
-    """responses per forward/backward pass; the passes of a batch accumulate gradients"""
-    max_grad_norm: float = 1.0
-    """clip the gradient's global L2 norm to this"""
+    lr: float = 2e-5  # learning rate of AdamW after warmup (constant)
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 10  # optimizer steps (counted over the whole run) of linear warmup from 0 to --lr
+    batch_size: int = 32  # kept responses per optimizer step (the last batch of an epoch may be smaller)
+    microbatch_size: int = 2  # responses per forward/backward pass; the passes of a batch accumulate gradients
+    max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this
 
     # --- eval ---
-    eval_split: str = "val"
-    """split each dataset is evaluated on; val falls back to test where a dataset has none (MATH, IFEval)"""
-    n_eval: int = 256
-    """problems evaluated per dataset, greedy, from the start of its eval split"""
-    eval_every: int = 1
-    """evaluate every this many EI steps (and at the start and the end)"""
-    eval_max_tokens: int = 1024
-    """max new tokens per evaluation response"""
-    n_log_generations: int = 4
-    """evaluation responses written to generations.jsonl (with entropy and length) at each evaluation"""
-    save_every: int = 1
-    """checkpoint every this many EI steps (and at the end); --resume restarts after the last saved step"""
-    keep_checkpoints: int = 2
-    """keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all"""
-    reload_tol: float | None = None
-    """stop when the engine's log-probs differ from the trainer's by more (reload_and_check); None: 1e-3 in float32
-    (CPU), 0.5 in bfloat16 (GPU)"""
+    eval_split: str = "val"  # val (or test where there is none) | test
+    n_eval: int = 256  # problems evaluated per dataset, greedy, from the start of its eval split
+    eval_every: int = 1  # evaluate every this many EI steps (and at the start and the end)
+    eval_max_tokens: int = 1024  # max new tokens per evaluation response
+    n_log_generations: int = 4  # evaluation responses to generations.jsonl
+    save_every: int = 1  # checkpoint every this many EI steps (and at the end)
+    keep_checkpoints: int = 2  # keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all
+    reload_tol: float | None = None  # max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16
 
 
 # --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py and grpo.py) ---
@@ -218,9 +179,8 @@ def sft_microbatch_train_step(
 def sft_batch_train_step(
     policy, tokenizer, batch: list[dict], microbatch_size: int, max_seq_len: int, autocast, entropy: bool = False
 ) -> dict:
-    """Accumulate the gradient of one batch's loss, the mean NLL per response token, over its microbatches (the last
-    may be short); the caller steps the optimizer. batch: {"prompt", "response"} dicts, each response ending in EOS.
-    Returns "loss", "n_response_tokens" and, with entropy, "entropy_sum" (the summed next-token entropy)."""
+    """Accumulate the gradient of one batch's mean NLL per response token over its microbatches (the last may be
+    short). batch: {"prompt", "response"}, responses ending in EOS. Returns loss, n_response_tokens (, entropy_sum)."""
     tokenized = tokenize_prompt_and_output([p["prompt"] for p in batch], [p["response"] for p in batch], tokenizer)
     tokenized = {k: v[:, : max_seq_len - 1] for k, v in tokenized.items()}  # (B, T), over-long examples cut
     n_response_tokens = tokenized["response_mask"].sum().item()

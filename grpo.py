@@ -61,115 +61,66 @@ import verifiers
 @dataclass
 class Args:
     # --- run ---
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment; the run folder is runs/<exp_name>__<seed>__<unix time>"""
-    seed: int = 1
-    """seed for the questions drawn, the engine's sampling and the minibatch order"""
-    output_dir: str = "runs"
-    """where run folders are made"""
-    resume: str | None = None
-    """a run folder to continue from its last checkpoint, with its own arguments"""
-    track: bool = False
-    """also log to Weights & Biases (pip install wandb)"""
-    wandb_project: str = "rlvr-grpo"
-    """the W&B project, with --track"""
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # runs/<exp_name>__<seed>__<unix time>
+    seed: int = 1  # seed for the questions drawn, the engine's sampling and the minibatch order
+    output_dir: str = "runs"  # where run folders are made
+    resume: str | None = None  # a run folder to continue from its last checkpoint, with its own arguments
+    track: bool = False  # also log to Weights & Biases (pip install wandb)
+    wandb_project: str = "rlvr-grpo"  # the W&B project, with --track
 
     # --- model ---
-    model: str = "Qwen/Qwen3-1.7B-Base"
-    """Hugging Face model name or local folder to start from; also the reference model of the KL penalty"""
-    policy_device: str | None = None
-    """device of the trainer; None: cuda:0 if there is a GPU, else cpu"""
-    vllm_device: str | None = None
-    """device of the vLLM engine; None: cuda:1 with two GPUs, else the policy's device"""
-    vllm_gpu_memory_utilization: float | None = None
-    """fraction of the engine GPU's memory vLLM may take; None: 0.85 alone on its GPU, 0.3 beside the trainer"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, about 30% more time"""
+    model: str = "Qwen/Qwen3-1.7B-Base"  # Hugging Face name or folder; also the KL reference
+    policy_device: str | None = None  # device of the trainer; None: cuda:0 if there is a GPU, else cpu
+    vllm_device: str | None = None  # device of the vLLM engine; None: cuda:1 with two GPUs, else the policy's device
+    vllm_gpu_memory_utilization: float | None = None  # the engine's share of its GPU; None: 0.85 alone, 0.3 shared
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, about 30% more time
 
     # --- data ---
-    dataset: str = "gsm8k"
-    """gsm8k | math | mbpp | ifeval | synthetic, or a weighted mixture, e.g. gsm8k:0.5,math:0.5 (docs/tasks.md)"""
-    data_dir: str | None = None
-    """data root with one folder per dataset (e.g. ../shared/data); None: the Hugging Face hub"""
-    template: str = "r1_zero"
-    """prompt template from data.py (r1_zero | question | chat); the one the starting checkpoint was trained on"""
-    dataset_templates: list[str] = field(default_factory=list)
-    """a template for some datasets of the mixture instead of --template, e.g. ifeval=question"""
-    curriculum: list[str] = field(default_factory=list)
-    """order files (one example id a line) for some datasets, e.g. mbpp=order.txt: their questions come in that order"""
+    dataset: str = "gsm8k"  # gsm8k | math | mbpp | ifeval | synthetic, or a mixture: gsm8k:0.5,math:0.5
+    data_dir: str | None = None  # data root, one folder per dataset (../shared/data); None: the hub
+    template: str = "r1_zero"  # r1_zero | question | chat (data.py)
+    dataset_templates: list[str] = field(default_factory=list)  # e.g. ifeval=question: another template for a dataset
+    curriculum: list[str] = field(default_factory=list)  # e.g. mbpp=order.txt: a dataset's questions in a file's order
 
     # --- generation ---
-    n_grpo_steps: int = 200
-    """GRPO steps; each one generates a rollout batch, trains on it and reloads the engine"""
-    rollout_batch_size: int = 256
-    """responses generated per step: rollout_batch_size / group_size questions, group_size responses to each"""
-    group_size: int = 8
-    """responses per question; their mean reward is each one's baseline (at least 2)"""
-    temperature: float = 1.0
-    """sampling temperature; the trainer divides its logits by it too, so the ratio starts at 1"""
-    top_p: float = 1.0
-    """nucleus sampling; keep 1.0: the trainer's log-probs are of the untruncated distribution (trl#6789)"""
-    max_tokens: int = 1024
-    """max new tokens per response; answers cut off here score 0 (watch rollout/truncation_rate)"""
+    n_grpo_steps: int = 200  # GRPO steps; each one generates a rollout batch, trains on it and reloads the engine
+    rollout_batch_size: int = 256  # responses per step: / group_size questions
+    group_size: int = 8  # responses per question; their mean reward is each one's baseline (at least 2)
+    temperature: float = 1.0  # sampling temperature; the trainer divides its logits by it too, so the ratio starts at 1
+    top_p: float = 1.0  # keep 1.0: the trainer scores untruncated (trl#6789)
+    max_tokens: int = 1024  # max new tokens per response; answers cut off here score 0 (watch rollout/truncation_rate)
 
     # --- optim ---
-    lr: float = 1e-5
-    """peak learning rate of AdamW (reached after the warmup)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    warmup_steps: int = 0
-    """GRPO steps over whose optimizer steps the learning rate rises linearly from 0"""
-    lr_schedule: str = "constant"
-    """after the warmup: constant | cosine (to 0 at the last GRPO step)"""
-    train_batch_size: int = 256
-    """responses per optimizer step; rollout_batch_size / train_batch_size > 1 steps per epoch is off-policy"""
-    epochs_per_rollout_batch: int = 1
-    """passes over each rollout batch; more than 1 is off-policy"""
-    microbatch_size: int = 2
-    """responses per forward/backward pass; a train batch's microbatches accumulate their gradients"""
-    max_grad_norm: float = 1.0
-    """clip the gradient's global L2 norm to this"""
+    lr: float = 1e-5  # peak learning rate of AdamW (reached after the warmup)
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 0  # GRPO steps over whose optimizer steps the learning rate rises linearly from 0
+    lr_schedule: str = "constant"  # after the warmup: constant | cosine (to 0 at the last GRPO step)
+    train_batch_size: int = 256  # responses per optimizer step (fewer than a rollout batch: off-policy)
+    epochs_per_rollout_batch: int = 1  # passes over each rollout batch; more than 1 is off-policy
+    microbatch_size: int = 2  # examples per forward/backward pass (gradients accumulate)
+    max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this
 
     # --- grpo ---
-    loss_type: str = "grpo_clip"
-    """no_baseline (-r log p) | reinforce_with_baseline (-A log p) | grpo_clip (clipped ratio)"""
-    loss_aggregation: str = "token_mean"
-    """sequence_mean (GRPO) | token_mean (DAPO) | constant (Dr. GRPO): see grpo_microbatch_train_step"""
-    normalize_by_std: bool = True
-    """divide advantages by their group's std (unbiased, as torch.std); Dr. GRPO argues against it"""
-    advantage_eps: float = 1e-6
-    """added to the group's std before dividing"""
-    clip_low: float = 0.2
-    """the ratio is clipped below at 1 - clip_low (grpo_clip)"""
-    clip_high: float = 0.2
-    """the ratio is clipped above at 1 + clip_high (grpo_clip); DAPO's clip-higher uses 0.28"""
-    beta: float = 0.0
-    """weight of the k3 KL penalty to the frozen starting model, per token; 0: no reference model is loaded"""
-    drop_zero_variance_groups: bool = True
-    """leave out the groups whose loss has no gradient (groups_with_signal): they would only dilute the batch"""
-    mask_truncated: bool = False
-    """leave responses cut off at --max-tokens out of the loss (DAPO's overlong filtering)"""
-    vllm_importance_sampling_cap: float | None = 2.0
-    """each token's loss times min(p_old / p_engine, cap), detached (compute_truncated_is_weights); None: off"""
+    loss_type: str = "grpo_clip"  # no_baseline | reinforce_with_baseline | grpo_clip
+    loss_aggregation: str = "token_mean"  # sequence_mean | token_mean | constant (grpo_microbatch_train_step)
+    normalize_by_std: bool = True  # divide advantages by their group's std (Dr. GRPO: don't)
+    advantage_eps: float = 1e-6  # added to the group's std before dividing
+    clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low (grpo_clip)
+    clip_high: float = 0.2  # the ratio is clipped above at 1 + clip_high (grpo_clip); DAPO's clip-higher uses 0.28
+    beta: float = 0.0  # weight of the k3 KL to the starting model; 0: no reference loaded
+    drop_zero_variance_groups: bool = True  # leave out groups with no gradient (groups_with_signal)
+    mask_truncated: bool = False  # leave responses cut off at --max-tokens out of the loss (DAPO's overlong filtering)
+    vllm_importance_sampling_cap: float | None = 2.0  # truncated IS of the engine's numerics; None: off
 
     # --- eval ---
-    eval_split: str = "val"
-    """split each dataset is evaluated on; val falls back to test where a dataset has none (MATH, IFEval)"""
-    n_eval: int = 512
-    """problems evaluated per dataset, greedy, from the start of its eval split"""
-    eval_every: int = 10
-    """evaluate every this many GRPO steps (and at the start and the end)"""
-    eval_max_tokens: int = 1024
-    """max new tokens per evaluation response"""
-    n_log_generations: int = 4
-    """evaluation responses written to generations.jsonl (with entropy and length) at each evaluation"""
-    save_every: int = 50
-    """checkpoint every this many GRPO steps (and at the end)"""
-    keep_checkpoints: int = 2
-    """keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all"""
-    reload_tol: float | None = None
-    """stop when the engine's log-probs differ from the trainer's by more (reload_and_check); None: 1e-3 in float32
-    (CPU), 0.5 in bfloat16 (GPU)"""
+    eval_split: str = "val"  # val (or test where there is none) | test
+    n_eval: int = 512  # problems evaluated per dataset, greedy, from the start of its eval split
+    eval_every: int = 10  # evaluate every this many GRPO steps (and at the start and the end)
+    eval_max_tokens: int = 1024  # max new tokens per evaluation response
+    n_log_generations: int = 4  # evaluation responses to generations.jsonl
+    save_every: int = 50  # checkpoint every this many GRPO steps (and at the end)
+    keep_checkpoints: int = 2  # keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all
+    reload_tol: float | None = None  # max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16
 
 
 # --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py and grpo.py) ---

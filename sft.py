@@ -1,16 +1,13 @@
 """Supervised fine-tuning (SFT) on reasoning traces, evaluated by a vLLM engine that reloads the trainer's weights.
 
 SFT is maximum likelihood on (prompt, response) pairs: minimise the negative log-probability of each response token
-given the prompt and the tokens before it; prompt tokens are context only, the response's EOS is in the loss. The
-responses are worked solutions (a dataset's own in a prompt template, or a stronger model's traces in a JSONL file):
-they teach a base model the answer format and a way of reasoning; expert_iter.py and grpo.py start from its checkpoint.
-Evaluation runs on a vLLM engine, as the RL scripts' sampling does: the trainer copies its weights into it, and
-reload_and_check proves the engine follows, or stops the run.
+(its EOS included) given the prompt and the tokens before it. The responses are worked solutions (a dataset's own, or
+a stronger model's traces in a JSONL file): a base model learns the answer format and a way of reasoning, and
+expert_iter.py and grpo.py start from its checkpoint. Evaluation runs on a vLLM engine that reloads the weights.
 
 Deliberate simplifications:
 1. One trainer process, no data or model parallelism: a 1.7B model in fp32 with AdamW fits one 80 GB GPU.
-2. Every optimizer step sees exactly `batch_size` examples (an epoch's last partial batch is dropped), so a resumed
-   run replays the same batches.
+2. Every optimizer step sees exactly `batch_size` examples (an epoch's last partial batch is dropped).
 3. The loss is the mean NLL over all response tokens of a batch, however it is split into microbatches or padded;
    CS336's sum-per-sequence variant is one `normalize_constant` away.
 4. A mixture (--dataset gsm8k:0.5,math:0.5) is mixed once, before training (data.sft_pairs); no curriculum.
@@ -47,83 +44,48 @@ import verifiers
 @dataclass
 class Args:
     # --- run ---
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment; the run folder is runs/<exp_name>__<seed>__<unix time>"""
-    seed: int = 1
-    """seed for the data order, the weights' dropout (none in Qwen3) and the engine"""
-    output_dir: str = "runs"
-    """where run folders are made"""
-    resume: str | None = None
-    """a run folder to continue from its last checkpoint (the other arguments should match the original run's)"""
-    track: bool = False
-    """also log to Weights & Biases (pip install wandb)"""
-    wandb_project: str = "rlvr-sft"
-    """the W&B project, with --track"""
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]  # runs/<exp_name>__<seed>__<unix time>
+    seed: int = 1  # seed for the data order, the weights' dropout (none in Qwen3) and the engine
+    output_dir: str = "runs"  # where run folders are made
+    resume: str | None = None  # a run folder to continue from its last checkpoint
+    track: bool = False  # also log to Weights & Biases (pip install wandb)
+    wandb_project: str = "rlvr-sft"  # the W&B project, with --track
 
     # --- model ---
-    model: str = "Qwen/Qwen3-1.7B-Base"
-    """Hugging Face model name or local model folder to fine-tune"""
-    policy_device: str | None = None
-    """device of the trainer; None: cuda:0 if there is a GPU, else cpu"""
-    vllm_device: str | None = None
-    """device of the vLLM engine; None: cuda:1 with two GPUs, else the policy's device"""
-    vllm_gpu_memory_utilization: float | None = None
-    """fraction of the engine GPU's memory vLLM may take; None: 0.85 alone on its GPU, 0.3 beside the trainer"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, about 30% more time"""
+    model: str = "Qwen/Qwen3-1.7B-Base"  # Hugging Face model name or local model folder to fine-tune
+    policy_device: str | None = None  # device of the trainer; None: cuda:0 if there is a GPU, else cpu
+    vllm_device: str | None = None  # device of the vLLM engine; None: cuda:1 with two GPUs, else the policy's device
+    vllm_gpu_memory_utilization: float | None = None  # the engine's share of its GPU; None: 0.85 alone, 0.3 shared
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, about 30% more time
 
     # --- data ---
-    dataset: str = "gsm8k"
-    """gsm8k | math | mbpp | synthetic, or a weighted mixture, e.g. gsm8k:0.5,math:0.5 (docs/tasks.md)"""
-    data_dir: str | None = None
-    """data root with one folder per dataset (e.g. ../shared/data: gsm8k/, math/, ...); None: the Hugging Face hub"""
-    sft_file: str | None = None
-    """JSONL of {"prompt", "response"} pairs (with "answer", "verifier" for --filter-correct) instead of solutions"""
-    template: str = "r1_zero"
-    """prompt template from data.py (r1_zero | question | chat) for the dataset's solutions and for evaluation"""
-    dataset_templates: list[str] = field(default_factory=list)
-    """a template for some datasets of the mixture instead of --template, e.g. mbpp=question"""
-    n_examples: int | None = None
-    """train on the first n examples only (128, 256, ...), of a mixture n in all; None: all (build_sft_pairs)"""
-    filter_correct: bool = False
-    """keep only training responses whose final answer the verifier accepts"""
-    max_seq_len: int = 1024
-    """longest prompt + response in tokens; longer examples are cut at the end (and counted)"""
+    dataset: str = "gsm8k"  # gsm8k | math | mbpp | synthetic, or a mixture: gsm8k:0.5,math:0.5
+    data_dir: str | None = None  # data root, one folder per dataset (../shared/data); None: the hub
+    sft_file: str | None = None  # JSONL of {"prompt", "response"} pairs to train on instead of solutions
+    template: str = "r1_zero"  # r1_zero | question | chat (data.py)
+    dataset_templates: list[str] = field(default_factory=list)  # e.g. ifeval=question: another template for a dataset
+    n_examples: int | None = None  # train on the first n examples (of a mixture, n in all); None: all
+    filter_correct: bool = False  # keep only training responses whose final answer the verifier accepts
+    max_seq_len: int = 1024  # longest prompt + response in tokens; longer examples are cut at the end (and counted)
 
     # --- optim ---
-    lr: float = 2e-5
-    """peak learning rate of AdamW"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    warmup_ratio: float = 0.03
-    """fraction of the steps spent warming the learning rate up linearly from 0, before the cosine decay to 0"""
-    n_epochs: int = 1
-    """passes over the training examples"""
-    batch_size: int = 32
-    """examples per optimizer step"""
-    microbatch_size: int = 2
-    """examples per forward/backward pass; batch_size / microbatch_size passes are accumulated per step"""
-    max_grad_norm: float = 1.0
-    """clip the gradient's global L2 norm to this"""
+    lr: float = 2e-5  # peak learning rate of AdamW
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_ratio: float = 0.03  # share of the steps warming up, before the cosine decay
+    n_epochs: int = 1  # passes over the training examples
+    batch_size: int = 32  # examples per optimizer step
+    microbatch_size: int = 2  # examples per forward/backward pass (gradients accumulate)
+    max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this
 
     # --- eval ---
-    eval_split: str = "val"
-    """split each dataset is evaluated on; val falls back to test where a dataset has none (MATH: or watch math500)"""
-    n_eval: int = 256
-    """problems evaluated per dataset, greedy, from the start of its eval split"""
-    eval_every: int = 50
-    """evaluate every this many optimizer steps (and at the start and the end)"""
-    eval_max_tokens: int = 512
-    """max new tokens per evaluation response"""
-    n_log_generations: int = 4
-    """evaluation responses written to generations.jsonl (with entropy and length) at each evaluation"""
-    save_every: int = 100
-    """checkpoint every this many optimizer steps (and at the end)"""
-    keep_checkpoints: int = 2
-    """keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all"""
-    reload_tol: float | None = None
-    """stop when the engine's log-probs differ from the trainer's by more (reload_and_check); None: 1e-3 in float32
-    (CPU), 0.5 in bfloat16 (GPU)"""
+    eval_split: str = "val"  # val (or test where there is none) | test
+    n_eval: int = 256  # problems evaluated per dataset, greedy, from the start of its eval split
+    eval_every: int = 50  # evaluate every this many optimizer steps (and at the start and the end)
+    eval_max_tokens: int = 512  # max new tokens per evaluation response
+    n_log_generations: int = 4  # evaluation responses to generations.jsonl
+    save_every: int = 100  # checkpoint every this many optimizer steps (and at the end)
+    keep_checkpoints: int = 2  # keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all
+    reload_tol: float | None = None  # max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16
 
 
 # --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py and grpo.py) ---
@@ -199,9 +161,8 @@ def sft_microbatch_train_step(
 def sft_batch_train_step(
     policy, tokenizer, batch: list[dict], microbatch_size: int, max_seq_len: int, autocast, entropy: bool = False
 ) -> dict:
-    """Accumulate the gradient of one batch's loss, the mean NLL per response token, over its microbatches (the last
-    may be short); the caller steps the optimizer. batch: {"prompt", "response"} dicts, each response ending in EOS.
-    Returns "loss", "n_response_tokens" and, with entropy, "entropy_sum" (the summed next-token entropy)."""
+    """Accumulate the gradient of one batch's mean NLL per response token over its microbatches (the last may be
+    short). batch: {"prompt", "response"}, responses ending in EOS. Returns loss, n_response_tokens (, entropy_sum)."""
     tokenized = tokenize_prompt_and_output([p["prompt"] for p in batch], [p["response"] for p in batch], tokenizer)
     tokenized = {k: v[:, : max_seq_len - 1] for k, v in tokenized.items()}  # (B, T), over-long examples cut
     n_response_tokens = tokenized["response_mask"].sum().item()
