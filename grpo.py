@@ -198,13 +198,10 @@ def compute_group_normalized_rewards(
     advantages = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_by_std:
         advantages = advantages / (group_std + advantage_eps)
-    metadata = {
-        "reward_mean": raw_rewards.mean().item(),
-        "reward_std": raw_rewards.std().item() if len(raw_rewards) > 1 else 0.0,
-        "reward_max": raw_rewards.max().item(),
-        "reward_min": raw_rewards.min().item(),
-        "frac_zero_std_groups": (group_std == 0).float().mean().item(),
-    }
+    metadata = {"reward_mean": raw_rewards.mean().item(), "reward_max": raw_rewards.max().item(),
+                "reward_std": raw_rewards.std().item() if len(raw_rewards) > 1 else 0.0,
+                "reward_min": raw_rewards.min().item(),
+                "frac_zero_std_groups": (group_std == 0).float().mean().item()}  # fmt: skip
     for key in ("format_reward", "answer_reward"):
         if all(key in d for d in reward_dicts):
             metadata[f"{key}_mean"] = float(np.mean([d[key] for d in reward_dicts]))
@@ -233,13 +230,8 @@ def compute_grpo_clip_loss(
     clipped = torch.clamp(ratio, 1 - low, 1 + high) * advantages
     loss = -torch.minimum(unclipped, clipped)
     is_clipped = clipped < unclipped
-    metadata = {
-        "clipped": is_clipped,
-        "clipped_high": is_clipped & (advantages > 0),
-        "clipped_low": is_clipped & (advantages < 0),
-        "ratio": ratio.detach(),
-    }
-    return loss, metadata
+    return loss, {"clipped": is_clipped, "clipped_high": is_clipped & (advantages > 0),
+                  "clipped_low": is_clipped & (advantages < 0), "ratio": ratio.detach()}  # fmt: skip
 
 
 def compute_policy_gradient_loss(
@@ -281,9 +273,7 @@ def compute_truncated_is_weights(
 def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of `tensor` over the elements where mask is 1, along `dim` (all elements if None)."""
     masked = tensor * mask
-    if dim is None:
-        return masked.sum() / mask.sum()
-    return masked.sum(dim=dim) / mask.sum(dim=dim)
+    return masked.sum() / mask.sum() if dim is None else masked.sum(dim=dim) / mask.sum(dim=dim)
 
 
 LOSS_AGGREGATIONS = ("sequence_mean", "token_mean", "constant")
@@ -324,10 +314,8 @@ def grpo_microbatch_train_step(
         per_token_loss = per_token_loss + beta * kl
         metadata["kl"] = kl.detach()
     mask = response_mask.to(per_token_loss.dtype)
-    if n_batch_sequences is None:
-        n_batch_sequences = mask.shape[0] * gradient_accumulation_steps
-    if n_batch_tokens is None:
-        n_batch_tokens = mask.sum().item() * gradient_accumulation_steps
+    n_batch_sequences = n_batch_sequences or mask.shape[0] * gradient_accumulation_steps
+    n_batch_tokens = n_batch_tokens or mask.sum().item() * gradient_accumulation_steps
     if loss_aggregation == "sequence_mean":
         loss = masked_mean(per_token_loss, mask, dim=-1).sum() / n_batch_sequences
     elif loss_aggregation == "token_mean":
