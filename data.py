@@ -686,7 +686,7 @@ CHAT_INSTRUCTION = 'Solve the problem step by step. Write the final answer on th
 # the verifier reads fenced code too.) For the other templates a code question asks for a fenced block.
 #
 # MATH: "hendrycks_math_kshot" reproduces lm-eval 0.4.13's `hendrycks_math` (lm_eval/tasks/hendrycks_math/
-# hendrycks_math_algebra.yaml, version 1.0; the 4-shot row of our README runs it with --num_fewshot 4): doc_to_text
+# hendrycks_math_algebra.yaml, version 1.0; the 4-shot row of docs/eval.md runs it with --num_fewshot 4): doc_to_text
 # "Problem: {{problem}}\nAnswer:", doc_to_target "{{answer}}" (the boxed answer alone, no worked solution),
 # target_delimiter " ", fewshot_delimiter "\n\n", until ["Problem:"], greedy, max_gen_toks 256 (its default). Its
 # shots are drawn per problem by lm-eval's default sampler, replayed by `math_fewshot`. Where a shot's answer would

@@ -29,7 +29,7 @@ its answer span (between the first and last "$"), and our MATH verifier's compar
 
 --suite runs all of these (SUITE: GSM8K 0/4/8-shot, MATH 4-shot, IFEval, MBPP 3-shot, HumanEval) with one engine,
 writes each benchmark's samples.jsonl and summary.json in its own folder, and prints our numbers next to
-Qwen3-1.7B-Base's lm-eval numbers. The README's "Reference numbers" say how each row differs from lm-eval's.
+Qwen3-1.7B-Base's lm-eval numbers. docs/eval.md, "Reference numbers", says how each row differs from lm-eval's.
 
 Deliberately left out:
   1. Symbolic equivalence for MATH (sympy / math_verify): see verifiers.py for why; the reward is exact match.
@@ -117,7 +117,7 @@ class Args:
 
 
 # The baseline suite: Qwen3-1.7B-Base's lm-evaluation-harness results (%, vLLM, greedy) and our setting for each
-# (README, "Reference numbers": how each differs from lm-eval's). Row: (name, dataset, template, n_shot, max_tokens,
+# (docs/eval.md, "Reference numbers": how each differs from lm-eval's). Row: (name, dataset, template, n_shot, max_tokens,
 # {metric: reference}).
 SUITE = [
     ("gsm8k_0shot", "gsm8k", "gsm8k_kshot", 0, 256, {"eval/flexible_accuracy": 14.71, "eval/strict_accuracy": 0.00}),
@@ -303,7 +303,7 @@ def hendrycks_math_score(response: str, example: dict) -> dict:
     """The MATH reward for "hendrycks_math_kshot", whose answers come bare (" $\\frac{1}{2}$"). The answer is what
     lm-eval's hendrycks_math reads: the text between the first and the last "$", else the whole response. Our MATH
     verifier compares it with the gold (handed over in answer tags, which it reads first); lm-eval compares strings
-    after its own normalisation (README, "Reference numbers": where the two differ)."""
+    after its own normalisation (docs/eval.md, "Reference numbers": where the two differ)."""
     dollars = [i for i, char in enumerate(response) if char == "$"]
     span = response[dollars[0] + 1 : dollars[-1]] if len(dollars) > 1 else response
     return verifiers.score(f"<answer>{span}</answer>", example)

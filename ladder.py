@@ -17,13 +17,13 @@ stage alone), all inside one run folder, runs/ladder__<seed>__<unix time>/:
 Expert iteration and GRPO never see the teacher: they learn from the verifier, which knows the gold answers, and
 so can unlearn the teacher's flaw. The ladder ends with a table (accuracy of each stage, the share of carries it
 gets right, its wall time), ladder.json, and ladder.png: eval accuracy and rollout reward against step per stage.
-The stage settings below are the whole recipe; the README explains why each is what it is. A ladder that dies can
+The stage settings below are the whole recipe; docs/ladder.md explains why each is what it is. A ladder that dies can
 be continued: `python ladder.py --resume runs/ladder__1__...` skips the stages that finished (each writes its result
 to ladder.json as it ends).
 
 Every stage runs with torch and oneDNN held to AVX2 code (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, printed in
 front of each command), so that an AVX-512 machine computes what an AVX2 one does and the README's numbers reproduce
-on either; `--no-pin-isa` lets them use the machine's widest instructions (README, "Reproducibility").
+on either; `--no-pin-isa` lets them use the machine's widest instructions (docs/ladder.md, "Reproducibility").
 """
 
 import json

@@ -326,8 +326,8 @@ def math_reward(response: str, gold: str) -> dict:
 
 # --- Code (MBPP, HumanEval): the program and its tests run in another process, under limits ---
 #
-# Unlike the checkers above this runs untrusted code: never in our process, never without limits (README, "The code
-# task", says what it guards against and what not). A program scores 1 only if the harness prints a
+# Unlike the checkers above this runs untrusted code: never in our process, never without limits (docs/tasks.md, "The
+# sandbox", says what it guards against and what not). A program scores 1 only if the harness prints a
 # random token, fresh per call and never in the program's sight, after the last test ran, AND the process exits 0:
 # sys.exit(0), os._exit(0), raise SystemExit or printing a success line before the tests end all score 0.
 
