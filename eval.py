@@ -117,8 +117,8 @@ class Args:
 
 
 # The baseline suite: Qwen3-1.7B-Base's lm-evaluation-harness results (%, vLLM, greedy) and our setting for each
-# (docs/eval.md, "Reference numbers": how each differs from lm-eval's). Row: (name, dataset, template, n_shot, max_tokens,
-# {metric: reference}).
+# (docs/eval.md, "Reference numbers": how each differs from lm-eval's). Row: (name, dataset, template, n_shot,
+# max_tokens, {metric: reference}).
 SUITE = [
     ("gsm8k_0shot", "gsm8k", "gsm8k_kshot", 0, 256, {"eval/flexible_accuracy": 14.71, "eval/strict_accuracy": 0.00}),
     ("gsm8k_4shot", "gsm8k", "gsm8k_kshot", 4, 256, {"eval/flexible_accuracy": 67.48, "eval/strict_accuracy": 59.14}),

@@ -4,8 +4,8 @@ its greedy reward on the same 256 held-out problems far above where it started, 
 GRPO seeds.
 
 Like with like, so that the margins hold on any x86-64 CPU: the float kernels differ by instruction set (AVX2,
-AVX-512, AMX), so the numbers differ by machine type (docs/ladder.md, "Reproducibility"), and only the greedy reward on one
-fixed set of problems, before and after, is compared. Measured (start -> after 10 steps, seeds 1 / 2 / 3):
+AVX-512, AMX), so the numbers differ by machine type (docs/ladder.md, "Reproducibility"), and only the greedy reward on
+one fixed set of problems, before and after, is compared. Measured (start -> after 10 steps, seeds 1 / 2 / 3):
   AMD EPYC, AVX2 (pinned or not: the same bits)   0.387 -> 0.762 / 0.742 / 0.703  gains >= 0.316, seed std 0.030
   AVX-512 + AMX, unpinned (reported in issue 12)   0.391 -> 0.711 / 0.703 / 0.695  gains >= 0.304, seed std 0.008
 The smallest gain is twice the 0.15 asserted, and ~7 standard errors of a difference of two accuracies on 256
