@@ -878,7 +878,8 @@ def main(args: Args) -> Path:
         metrics["time/step"] = time.time() - t_step
         log(metrics, step_done)
         trained = (f"loss {metrics['train/loss']:+.4f} grad {metrics['train/grad_norm']:.3f} | gap {gap:.0e}"
-                   if sums["updates"] else "nothing trained: no group with a reward signal")  # fmt: skip
+                   if sums["updates"] else "nothing trained: " + ("no finite update" if rows else
+                                                                  "no group with a reward signal"))  # fmt: skip
         print(f"step {step_done:5d}/{args.n_grpo_steps} | reward {metrics['rollout/reward_mean']:.3f} | "
               f"len {metrics['rollout/response_length']:.0f} trunc {metrics['rollout/truncation_rate']:.2f} | "
               f"zero-std groups {metrics['rollout/frac_zero_std_groups']:.2f} | {trained} | "
