@@ -22,6 +22,8 @@
 5. Mixtures: `parse_mixture("gsm8k:0.5,math:0.5")`, `read_order` (a curriculum file of ids), `dataset_templates`,
    `eval_split`, `load_mixture` (all datasets' examples, each naming its dataset) and `mixture_questions_and_seeds`:
    the questions of a training step, drawn by weight from (seed, step) alone.
+6. What a training script calls: `load_task(args)`, a `Task` (its prompts, stop strings, the questions of a step,
+   per-dataset metrics), `eval_metrics`, and for SFT `sft_pairs` (a JSONL file's or the solutions) and `batch_order`.
 
 data_dir=None reads the Hugging Face hub; data_dir="../shared/data" (the data root: gsm8k/, math/, ... one folder per
 dataset, see `dataset_dir`) reads the local JSONL copies. Both run the same checks: a bad row raises DataError naming
@@ -1071,3 +1073,11 @@ def mix_pairs(pair_sets: list[list[dict]], weights: list[float], n_examples: int
                              f"{int(n * share)}; lower --n-examples")  # fmt: skip
         mixed += [pairs[i] for i in np.random.default_rng([seed, d]).permutation(len(pairs))[: int(n * share)]]
     return mixed
+
+
+def batch_order(n_pairs: int, batch_size: int, seed: int, step: int) -> list[int]:
+    """The pairs of SFT step `step`: a fresh permutation per epoch from (seed, epoch), so a resumed run sees exactly
+    the batches an uninterrupted one would (an epoch's last partial batch is left out)."""
+    epoch, k = divmod(step, n_pairs // batch_size)
+    permutation = np.random.default_rng([seed, epoch]).permutation(n_pairs)
+    return permutation[k * batch_size : (k + 1) * batch_size].tolist()

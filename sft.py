@@ -8,8 +8,7 @@ expert_iter.py and grpo.py start from its checkpoint. Evaluation runs on a vLLM 
 Deliberate simplifications:
 1. One trainer process, no data or model parallelism: a 1.7B model in fp32 with AdamW fits one 80 GB GPU.
 2. Every optimizer step sees exactly `batch_size` examples (an epoch's last partial batch is dropped).
-3. The loss is the mean NLL over all response tokens of a batch, however it is split into microbatches or padded;
-   CS336's sum-per-sequence variant is one `normalize_constant` away.
+3. The loss is the mean NLL over all response tokens of a batch, however it is split into microbatches or padded.
 4. A mixture (--dataset gsm8k:0.5,math:0.5) is mixed once, before training (data.sft_pairs); no curriculum.
 
 Usage:
@@ -180,17 +179,6 @@ def sft_batch_train_step(
             entropy_sum += masked_normalize(out["token_entropy"], micro["response_mask"], 1.0).item()
     result = {"loss": loss_sum, "n_response_tokens": n_response_tokens}
     return {**result, "entropy_sum": entropy_sum} if entropy else result
-
-
-# --- ALGORITHM: the order of the examples ---
-
-
-def batch_order(n_pairs: int, batch_size: int, seed: int, step: int) -> list[int]:
-    """The examples of optimizer step `step`: a fresh permutation per epoch from (seed, epoch), so a resumed run sees
-    exactly the batches an uninterrupted one would."""
-    epoch, k = divmod(step, n_pairs // batch_size)
-    permutation = np.random.default_rng([seed, epoch]).permutation(n_pairs)
-    return permutation[k * batch_size : (k + 1) * batch_size].tolist()
 
 
 # --- PLUMBING: the vLLM engine and its weight reloads (same in sft.py, expert_iter.py and grpo.py) ---
@@ -478,7 +466,7 @@ def main(args: Args) -> Path:
     # --- ALGORITHM: one optimizer step per batch of `batch_size` examples ---
     for step in range(start_step, n_steps):
         t0 = time.time()
-        batch = [pairs[i] for i in batch_order(len(pairs), args.batch_size, args.seed, step)]
+        batch = [pairs[i] for i in data.batch_order(len(pairs), args.batch_size, args.seed, step)]
         out = sft_batch_train_step(policy, tokenizer, batch, args.microbatch_size, args.max_seq_len, autocast)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item()
         optimizer.step()
