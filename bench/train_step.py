@@ -1,42 +1,31 @@
 """The trainer side of a GRPO step, alone: tokens/s, model FLOPs utilisation and peak memory.
 
-Builds a model of Qwen3-1.7B-Base's shape from its config with random weights (nothing is downloaded) and runs
-grpo.py's own trainer functions on random token ids, as grpo.py's update does: float32 weights, bf16 autocast on a
-GPU, get_response_log_probs with entropy, grpo_microbatch_train_step (grpo_clip, token_mean), one AdamW step per
-batch. For each microbatch size it prints
+Builds a model of Qwen3-1.7B-Base's shape from its config with random weights (nothing is downloaded) and trains it
+on random token ids as grpo.py's update does, in this file's own copy of it (microbatch_backward): float32 weights,
+bf16 autocast on a GPU, log-probs of the labels and the token entropy, the clipped surrogate with a token-mean loss,
+backward; gradient clipping and one AdamW step per batch. For each microbatch size it prints
 
     tokens/s   trained tokens (prompt + response) per second over the timed steps
     MFU        6 x parameters x tokens/s over the device's bf16 dense peak (--peak-tflops; H100 SXM: 989); on a CPU,
                over a MEASURED float32 peak: the best of a few 2048 x 2048 matmuls (cpu_matmul_tflops)
     peak GiB   torch.cuda.max_memory_allocated (GPU), or the process's peak RSS (CPU)
 
-    python bench/train_step.py                                  # GPU: Qwen3-1.7B shape, microbatch 1, 2, 4, 8
-    python bench/train_step.py --gradient-checkpointing
-    python bench/train_step.py --shape tiny --seq-len 128       # no GPU: a small shape on the CPU
-    python bench/train_step.py --shape 25m --seq-len 160 --microbatch-sizes 32   # the issue's 25M row's microbatch
+    python -m bench.train_step                                  # GPU: Qwen3-1.7B shape, microbatch 1, 2, 4, 8
+    python -m bench.train_step --gradient-checkpointing
+    python -m bench.train_step --shape tiny --seq-len 128       # no GPU: a small shape on the CPU
+    python -m bench.train_step --shape 25m --seq-len 160 --microbatch-sizes 32   # the issue's 25M row's microbatch
 
-It needs torch and transformers only, so it runs on a GPU machine where vLLM is not installed (see IMPORT below).
+It needs torch and transformers only, so it runs on a GPU machine where vLLM is not installed.
 """
 
 import math
 import resource
-import sys
 import time
-import types
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import tyro
 from transformers import AutoModelForCausalLM, Qwen3Config
-
-try:
-    import vllm  # noqa: F401
-except ImportError:  # IMPORT: grpo.py imports vLLM at the top; the train step never calls it
-    sys.modules["vllm"] = types.SimpleNamespace(LLM=None, SamplingParams=None)
-    sys.modules["vllm.inputs"] = types.SimpleNamespace(TokensPrompt=None)
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import grpo  # noqa: E402
 
 SHAPES = {  # Qwen3-1.7B-Base's config.json (1.72e9 parameters, tied embeddings); "tiny" for a CPU
     "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -86,23 +75,35 @@ def peak_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def microbatch_backward(model, ids: torch.Tensor, response_mask: torch.Tensor, advantages: torch.Tensor,
+                        n_batch_tokens: int) -> torch.Tensor:  # fmt: skip
+    """One microbatch of grpo.py's update, this file's copy: ids (B, T + 1), response_mask (B, T) over the labels
+    ids[:, 1:], advantages (B,). Log-probs, the clipped surrogate at ratio 1 (one optimizer step per batch: the old
+    policy is this one) summed over the response tokens / the batch's, backward; returns the summed token entropy
+    (grpo.py logs its mean), on the device."""
+    device_type = ids.device.type
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
+        logits = model(ids[:, :-1]).logits.float()  # (B, T, V); float32 under autocast too
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T)
+    with torch.no_grad():  # in chunks of 1024 positions, as grpo.py: at once, two more (B, T, V) float32 tensors
+        flat = logits.flatten(0, 1)  # (B T, V)
+        entropy = torch.cat([torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1) for z in flat.split(1024)])
+    ratio, a = torch.exp(log_probs - log_probs.detach()), advantages[:, None]  # (B, T), (B, 1)
+    per_token = -torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a)  # (B, T); cliprange 0.2
+    ((per_token * response_mask).sum() / n_batch_tokens).backward()
+    return (entropy.view_as(log_probs) * response_mask).sum()
+
+
 def train_steps(model, optimizer, args: Args, microbatch_size: int, n_steps: int, device: torch.device) -> int:
     """n_steps optimizer steps of args.accumulation microbatches; returns the number of tokens trained on."""
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    )
     response_mask = torch.zeros(microbatch_size, args.seq_len, dtype=torch.bool, device=device)
     response_mask[:, args.seq_len // 2 :] = True
+    n_batch_tokens = int(response_mask.sum()) * args.accumulation
     for _ in range(n_steps):
         for _ in range(args.accumulation):
             ids = torch.randint(0, model.config.vocab_size, (microbatch_size, args.seq_len + 1), device=device)
-            with autocast:
-                out = grpo.get_response_log_probs(model, ids[:, :-1], ids[:, 1:], return_token_entropy=True)
-            grpo.grpo_microbatch_train_step(
-                out["log_probs"], response_mask, args.accumulation, "grpo_clip",
-                advantages=torch.randn(microbatch_size, 1, device=device), old_log_probs=out["log_probs"].detach(),
-                cliprange=0.2, loss_aggregation="token_mean",
-            )  # fmt: skip
+            advantages = torch.randn(microbatch_size, device=device)
+            microbatch_backward(model, ids, response_mask, advantages, n_batch_tokens)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
