@@ -4,12 +4,17 @@ import contextlib
 import gc
 import json
 import math
+import re
+from dataclasses import replace
 
 import pytest
 import torch
+from conftest import interrupted_at_call
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import data
 import sft
+import verifiers
 
 
 class CharTokenizer:
@@ -62,16 +67,6 @@ def test_mask_covers_exactly_the_output_tokens_real_tokenizer(tiny_model_dir):
         assert out["response_mask"][i].sum().item() == n_out
     assert tokenizer.eos_token_id == tokenizer.pad_token_id
     assert out["labels"][1][out["response_mask"][1]][-1].item() == tokenizer.eos_token_id
-
-
-def test_training_pairs_end_with_eos_and_it_is_in_the_loss(tiny_model_dir):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    for template in ("r1_zero", "question"):
-        args = sft.Args(model=str(tiny_model_dir), dataset="synthetic", template=template, n_examples=4, batch_size=4)
-        pairs = sft.build_sft_pairs(args, tokenizer)
-        batch = sft.tokenize_prompt_and_output([p["prompt"] for p in pairs], [p["response"] for p in pairs], tokenizer)
-        for labels, mask in zip(batch["labels"], batch["response_mask"], strict=True):
-            assert labels[mask.bool()][-1].item() == tokenizer.eos_token_id
 
 
 # --- compute_entropy, masked_normalize, get_response_log_probs ---
@@ -170,14 +165,85 @@ def test_batch_not_a_multiple_of_the_microbatch_weighs_every_token_alike(tiny_mo
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
+# --- sft.main's training pairs, the engine stubbed out: what the first batch holds ---
+
+
+class Stop(Exception):
+    """Raised by the stand-in train step: the test has the batch it came for."""
+
+
+def first_batch(args: sft.Args, monkeypatch) -> list[dict]:
+    """The first batch sft.main trains on, as main prepares it; no engine starts (its calls are stubbed out)."""
+    batches = []
+
+    def record_and_stop(policy, tokenizer, batch, *rest):
+        batches.append(batch)
+        raise Stop
+
+    monkeypatch.setattr(sft, "init_vllm", lambda *a: None)
+    monkeypatch.setattr(sft, "reload_and_check", lambda *a: 0.0)
+    monkeypatch.setattr(sft, "evaluate", lambda *a: {})
+    monkeypatch.setattr(sft, "sft_batch_train_step", record_and_stop)
+    with pytest.raises(Stop):
+        sft.main(args)
+    return batches[0]
+
+
+@pytest.mark.parametrize("template", ["r1_zero", "question"])
+def test_training_pairs_end_with_eos_and_it_is_in_the_loss(template, tiny_model_dir, tmp_path, monkeypatch):
+    args = sft.Args(model=str(tiny_model_dir), dataset="synthetic", template=template, n_examples=4, batch_size=4,
+                    output_dir=str(tmp_path))  # fmt: skip
+    batch = first_batch(args, monkeypatch)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    task = data.load_task(args, tokenizer)  # the pairs are the dataset's first 4 worked solutions, then EOS
+    expected = {(task.prompt(ex), task.response(ex) + tokenizer.eos_token) for ex in task.train[:4]}
+    assert {(p["prompt"], p["response"]) for p in batch} == expected
+    tokens = sft.tokenize_prompt_and_output([p["prompt"] for p in batch], [p["response"] for p in batch], tokenizer)
+    for labels, mask in zip(tokens["labels"], tokens["response_mask"], strict=True):
+        assert labels[mask.bool()][-1].item() == tokenizer.eos_token_id
+
+
+def test_filter_correct_trains_only_on_what_the_verifier_accepts(tiny_model_dir, tmp_path, monkeypatch):
+    # Rows 0, 2, 4, 6 answer right, the others one too many: --filter-correct keeps exactly the 4 right ones.
+    rows = [{"prompt": f"Q{i}", "response": f" </think> <answer> {i + i % 2} </answer>", "answer": str(i),
+             "verifier": "synthetic"} for i in range(8)]  # fmt: skip
+    sft_file = tmp_path / "traces.jsonl"
+    sft_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = sft.Args(model=str(tiny_model_dir), dataset="synthetic", sft_file=str(sft_file), filter_correct=True,
+                    batch_size=4, output_dir=str(tmp_path / "runs"))  # fmt: skip
+    # A row without "answer" cannot be filtered: the error names file, line and field, before the engine starts.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": "Q", "response": "R", "verifier": "synthetic"}))
+    monkeypatch.setattr(sft, "init_vllm", lambda *a: pytest.fail("the engine must not start"))
+    with pytest.raises(data.DataError, match=re.escape(f"{bad}, line 2: missing field 'answer'")):
+        sft.main(replace(args, sft_file=str(bad)))
+    assert not (tmp_path / "runs").exists()
+    batch = first_batch(args, monkeypatch)
+    assert sorted(p["prompt"] for p in batch) == ["Q0", "Q2", "Q4", "Q6"]
+
+
+@pytest.mark.xfail(strict=True, raises=data.DataError, reason="data.read_sft_file requires a str 'answer'")
+def test_filter_correct_reads_an_ifeval_row_of_kept_jsonl(tiny_model_dir, tmp_path, monkeypatch):
+    # expert_iter.py's kept.jsonl is a valid --sft-file; an IFEval row's answer is a dict (its instructions).
+    row = {"prompt": "Say hi.\nYour entire response should be in English, and in all lowercase letters.",
+           "response": "hi there", "verifier": "ifeval",
+           "answer": {"instruction_id_list": ["change_case:english_lowercase"], "kwargs": [{}]}}  # fmt: skip
+    assert verifiers.score(row["response"], row)["reward"] == 1
+    sft_file = tmp_path / "kept.jsonl"
+    sft_file.write_text(json.dumps(row) + "\n")
+    args = sft.Args(model=str(tiny_model_dir), dataset="synthetic", sft_file=str(sft_file), filter_correct=True,
+                    batch_size=1, output_dir=str(tmp_path))  # fmt: skip
+    assert [p["prompt"] for p in first_batch(args, monkeypatch)] == [row["prompt"]]
+
+
 # --- whole runs on the tiny model, real vLLM engine on the CPU ---
 
 
 def run_args(tiny_model_dir, tmp_path, **overrides) -> sft.Args:
     settings = dict(
         model=str(tiny_model_dir), dataset="synthetic", output_dir=str(tmp_path), template="r1_zero",
-        n_examples=320, batch_size=16, microbatch_size=8, lr=1e-3, warmup_ratio=0.0, max_seq_len=256,
-        n_eval=16, eval_max_tokens=24, eval_every=10, save_every=100, n_log_generations=2,
+        n_examples=80, batch_size=8, microbatch_size=8, lr=2e-3, warmup_ratio=0.0, max_seq_len=256,
+        n_eval=4, eval_max_tokens=8, eval_every=5, save_every=100, n_log_generations=2,
     )  # fmt: skip
     settings.update(overrides)
     return sft.Args(**settings)
@@ -187,25 +253,26 @@ def read_metrics(run_dir):
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def free_engines():
     yield
-    gc.collect()  # each test's engine holds a 1 GiB KV cache until collected
+    gc.collect()  # each run's engine holds a 1 GiB KV cache until collected
 
 
+@pytest.mark.usefixtures("free_engines")
 def test_sft_run_learns_reloads_and_checks(tiny_model_dir, tmp_path):
-    run_dir = sft.main(run_args(tiny_model_dir, tmp_path))
+    run_dir = sft.main(run_args(tiny_model_dir, tmp_path))  # 10 steps of 8 examples
     metrics = read_metrics(run_dir)
     losses = [m["train/loss"] for m in metrics if "train/loss" in m]
-    assert len(losses) == 20
+    assert len(losses) == 10
     assert losses[-1] < 0.7 * losses[0], losses
     evals = [m for m in metrics if "eval/accuracy" in m]
-    assert [m["step"] for m in evals] == [0, 10, 20]
+    assert [m["step"] for m in evals] == [0, 5, 10]  # at the start, every eval_every steps, at the end
     assert all(m["reload/logprob_gap"] < 1e-4 for m in evals)  # float32 engine vs float32 trainer: noise only
     assert (run_dir / "args.json").exists() and (run_dir / "generations.jsonl").exists()
     # The checkpoint is an ordinary Hugging Face folder: transformers and vLLM load it as it is.
-    checkpoint = sft.latest_checkpoint(run_dir)
-    assert checkpoint.name == "step_000020"
+    checkpoint = sft.checkpoints(run_dir)[-1]
+    assert checkpoint.name == "step_000010"
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     from vllm import LLM, SamplingParams
@@ -218,12 +285,19 @@ def test_sft_run_learns_reloads_and_checks(tiny_model_dir, tmp_path):
     assert vllm_ids == hf_ids[: len(vllm_ids)] and len(vllm_ids) >= 1
 
 
+# One step of 4 examples; the check after it, before the final evaluation, must stop the run.
+ONE_STEP = dict(n_examples=4, batch_size=4, microbatch_size=4, n_eval=2, eval_max_tokens=4)
+
+
+@pytest.mark.usefixtures("free_engines")
 def test_skipped_reload_trips_the_check(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(sft, "load_policy_into_vllm", lambda policy, llm, device: None)
-    with pytest.raises(RuntimeError, match="does not follow the trainer"):
-        sft.main(run_args(tiny_model_dir, tmp_path, n_examples=160))
+    with pytest.raises(RuntimeError, match="does not follow the trainer") as error:
+        sft.main(run_args(tiny_model_dir, tmp_path, **ONE_STEP))
+    assert "weights that differ []" not in str(error.value)  # the weights read back are the old ones
 
 
+@pytest.mark.usefixtures("free_engines")
 def test_stale_prefix_cache_trips_the_check(tiny_model_dir, tmp_path, monkeypatch):
     # Reload the weights but keep the prefix cache: the probe prompts, seen at step 0, reuse old keys and values.
     def reload_without_reset(policy, llm, device):
@@ -231,41 +305,31 @@ def test_stale_prefix_cache_trips_the_check(tiny_model_dir, tmp_path, monkeypatc
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
 
     monkeypatch.setattr(sft, "load_policy_into_vllm", reload_without_reset)
-    with pytest.raises(RuntimeError, match="does not follow the trainer"):
-        sft.main(run_args(tiny_model_dir, tmp_path, n_examples=160))
+    with pytest.raises(RuntimeError, match="does not follow the trainer") as error:
+        sft.main(run_args(tiny_model_dir, tmp_path, **ONE_STEP))
+    assert "weights that differ []" in str(error.value)  # the weights are right: the probe caught the stale cache
 
 
-def test_resume_ends_where_an_uninterrupted_run_ends(tiny_model_dir, tmp_path, monkeypatch):
-    # 6 steps; keeping 1 checkpoint: the resumed run must still find the newest and delete older ones only after it.
-    common = dict(n_examples=96, n_eval=4, eval_max_tokens=8, eval_every=100, save_every=2, keep_checkpoints=1)
+@pytest.mark.usefixtures("free_engines")
+def test_resume_ends_where_an_uninterrupted_run_ends(tiny_model_dir, tmp_path):
+    # 4 steps; keeping 1 checkpoint: the resumed run must still find the newest and delete older ones only after it.
+    common = dict(n_examples=16, batch_size=4, microbatch_size=2, n_eval=2, eval_max_tokens=4, eval_every=100,
+                  save_every=2, keep_checkpoints=1)  # fmt: skip
     straight = sft.main(run_args(tiny_model_dir, tmp_path / "straight", **common))
-
-    calls = {"n": 0}
-    real_step = sft.sft_microbatch_train_step
-
-    def dies_in_step_4(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] > 3 * 2:  # 2 microbatches a step: steps 1-3 finish, step 4 dies; the last checkpoint is step 2
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(sft, "sft_microbatch_train_step", dies_in_step_4)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at_call(sft, "sft_batch_train_step", 4):  # steps 1-3 finish, step 4 dies; the last checkpoint: 2
         sft.main(run_args(tiny_model_dir, tmp_path / "stopped", **common))
-    monkeypatch.setattr(sft, "sft_microbatch_train_step", real_step)
     (stopped,) = (tmp_path / "stopped").iterdir()
-    assert sft.latest_checkpoint(stopped).name == "step_000002"
+    assert sft.checkpoints(stopped)[-1].name == "step_000002"
     resumed = sft.main(run_args(tiny_model_dir, tmp_path / "stopped", resume=str(stopped), **common))
     assert resumed == stopped
 
-    final_a = AutoModelForCausalLM.from_pretrained(sft.latest_checkpoint(straight)).state_dict()
-    final_b = AutoModelForCausalLM.from_pretrained(sft.latest_checkpoint(resumed)).state_dict()
-    assert sft.latest_checkpoint(resumed).name == "step_000006"
-    assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step_000006"]
+    final_a = AutoModelForCausalLM.from_pretrained(sft.checkpoints(straight)[-1]).state_dict()
+    final_b = AutoModelForCausalLM.from_pretrained(sft.checkpoints(resumed)[-1]).state_dict()
+    assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step_000004"]
     for name, tensor in final_a.items():
         assert torch.allclose(tensor, final_b[name], atol=1e-6), name
     losses_a = [m["train/loss"] for m in read_metrics(straight) if "train/loss" in m]
     losses_b = {m["step"]: m["train/loss"] for m in read_metrics(resumed) if "train/loss" in m}
     # The records the dead run wrote after its last checkpoint (step 3) were dropped and rewritten: one per step.
-    assert [m["step"] for m in read_metrics(resumed) if "train/loss" in m] == [1, 2, 3, 4, 5, 6]
-    assert losses_b[6] == pytest.approx(losses_a[5], abs=1e-6)
+    assert [m["step"] for m in read_metrics(resumed) if "train/loss" in m] == [1, 2, 3, 4]
+    assert losses_b[4] == pytest.approx(losses_a[3], abs=1e-6)
