@@ -6,8 +6,10 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from conftest import interrupted_at_call
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import data
 import expert_iter
 import verifiers
 
@@ -55,14 +57,17 @@ def test_select_correct_uses_the_rewards_it_is_given():
 
 
 def test_questions_of_step_are_replayable_and_distinct():
-    draw = lambda seed, step: expert_iter.step_questions_and_seeds([1000], [1.0], [None], 64, 8, seed, step)
-    a_indices, a_seeds = draw(1, 3)
-    b_indices, b_seeds = draw(1, 3)
-    assert (a_indices, a_seeds) == (b_indices, b_seeds)  # a resumed run replays the step
-    assert len(set(a_indices)) == 64 and all(0 <= i < 1000 for i in a_indices)
+    # What main draws each step: data.load_task's Task.questions, from expert_iter's own Args.
+    task = data.load_task(expert_iter.Args(dataset="synthetic", n_eval=0), n_questions=64)
+    draw = lambda seed, step: task.questions(64, 8, seed, step)
+    a_examples, a_seeds = draw(1, 3)
+    b_examples, b_seeds = draw(1, 3)
+    assert (a_examples, a_seeds) == (b_examples, b_seeds)  # a resumed run replays the step
+    ids = {ex["id"] for ex in a_examples}
+    assert len(ids) == 64 and ids <= {ex["id"] for ex in task.train}
     assert len(a_seeds) == 64
-    assert draw(1, 4)[0] != a_indices
-    assert draw(2, 3)[0] != a_indices
+    assert draw(1, 4)[0] != a_examples
+    assert draw(2, 3)[0] != a_examples
 
 
 # --- sft_batch_train_step: the mean NLL per response token (EOS included), however the batch is microbatched ---
@@ -126,10 +131,10 @@ def read_jsonl(path):
     return [json.loads(line) for line in open(path)]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def free_engines():
     yield
-    gc.collect()  # each test's engine holds a 1 GiB KV cache until collected
+    gc.collect()  # each run's engine holds a 1 GiB KV cache until collected
 
 
 @pytest.fixture(scope="module")
@@ -179,40 +184,33 @@ def test_ei_run_samples_filters_trains_reloads_and_logs(straight_run, tiny_model
     # kept.jsonl is an sft.py --sft-file: prompts and responses, with what --filter-correct needs.
     assert all({"prompt", "response", "answer", "verifier"} <= row.keys() for row in kept)
     # The checkpoint of the last step is a Hugging Face folder holding the trained (changed) weights.
-    checkpoint = expert_iter.latest_checkpoint(straight_run)
+    checkpoint = expert_iter.checkpoints(straight_run)[-1]
     assert checkpoint.name == "step_000002"
     trained = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert any(not torch.equal(trained[name], initial[name]) for name in initial)
 
 
+@pytest.mark.usefixtures("free_engines")
 def test_skipped_reload_trips_the_check(tiny_model_dir, tmp_path, monkeypatch):
     # The first reloads pass (the engine starts with the trainer's weights); the one after the first update must not.
     monkeypatch.setattr(verifiers, "score", parity_reward)
     monkeypatch.setattr(expert_iter, "load_policy_into_vllm", lambda policy, llm, device: None)
-    with pytest.raises(RuntimeError, match="does not follow the trainer"):
-        expert_iter.main(run_args(tiny_model_dir, tmp_path, n_ei_steps=1, n_sft_epochs=1))
+    with pytest.raises(RuntimeError, match="does not follow the trainer") as error:
+        expert_iter.main(run_args(tiny_model_dir, tmp_path, n_ei_steps=1, n_questions=4, n_sft_epochs=1))
+    assert "weights that differ []" not in str(error.value)  # the weights read back are the old ones
 
 
+@pytest.mark.usefixtures("free_engines")
 def test_resume_ends_where_an_uninterrupted_run_ends(straight_run, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(verifiers, "score", parity_reward)
-    real_select = expert_iter.select_correct
-    calls = {"n": 0}
-
-    def dies_in_step_2(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:  # step 1 finished and was saved; step 2 dies after sampling
-            raise KeyboardInterrupt
-        return real_select(*args, **kwargs)
-
-    monkeypatch.setattr(expert_iter, "select_correct", dies_in_step_2)
-    with pytest.raises(KeyboardInterrupt):
+    # Step 1 finishes and is saved; step 2 dies after sampling (select_correct's second call).
+    with interrupted_at_call(expert_iter, "select_correct", 2):
         expert_iter.main(run_args(tiny_model_dir, tmp_path))
-    monkeypatch.setattr(expert_iter, "select_correct", real_select)
     (stopped,) = tmp_path.iterdir()
-    assert expert_iter.latest_checkpoint(stopped).name == "step_000001"
+    assert expert_iter.checkpoints(stopped)[-1].name == "step_000001"
     resumed = expert_iter.main(run_args(tiny_model_dir, tmp_path, resume=str(stopped)))
-    assert resumed == stopped and expert_iter.latest_checkpoint(resumed).name == "step_000002"
+    assert resumed == stopped and expert_iter.checkpoints(resumed)[-1].name == "step_000002"
 
     # Same questions, same samples, same kept set, same optimizer state: the same final weights.
     straight_step_2 = read_jsonl(straight_run / "metrics.jsonl")[2]
@@ -220,7 +218,7 @@ def test_resume_ends_where_an_uninterrupted_run_ends(straight_run, tiny_model_di
     assert resumed_step_2["step"] == 2
     assert resumed_step_2["rollout/n_kept"] == straight_step_2["rollout/n_kept"]
     assert resumed_step_2["train/loss"] == pytest.approx(straight_step_2["train/loss"], abs=1e-5)
-    final_a = AutoModelForCausalLM.from_pretrained(expert_iter.latest_checkpoint(straight_run)).state_dict()
-    final_b = AutoModelForCausalLM.from_pretrained(expert_iter.latest_checkpoint(resumed)).state_dict()
+    final_a = AutoModelForCausalLM.from_pretrained(expert_iter.checkpoints(straight_run)[-1]).state_dict()
+    final_b = AutoModelForCausalLM.from_pretrained(expert_iter.checkpoints(resumed)[-1]).state_dict()
     for name, tensor in final_a.items():
         assert torch.allclose(tensor, final_b[name], atol=1e-5), name
