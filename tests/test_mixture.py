@@ -77,15 +77,18 @@ def step_questions_and_seeds_before_mixtures(n_questions, n_prompts, group_size,
 
 
 def test_one_dataset_draws_exactly_as_before_mixtures():
-    """A plain --dataset must replay every existing run: same questions, same sampling seeds, in both scripts."""
+    """A plain --dataset must replay every existing run: same questions, same sampling seeds, through data.Task's
+    questions, which grpo.py and expert_iter.py both draw each step's questions with."""
+    train = [{"id": f"q{i}", "dataset": "gsm8k"} for i in range(100)]
+    task = data.Task(["gsm8k"], [1.0], {"gsm8k": "r1_zero"}, train, [100], [None], {})
     for seed in (0, 1, 42):
         for n_prompts in (1, 4, 16):
             for step in range(25):
                 before = step_questions_and_seeds_before_mixtures(100, n_prompts, 4, seed, step)
                 picks, seeds = mixture_questions_and_seeds([100], [1.0], n_prompts, 4, seed, step)
                 assert (picks, seeds) == ([(0, i) for i in before[0]], before[1])
-                for script in (grpo, expert_iter):
-                    assert script.step_questions_and_seeds([100], [1.0], [None], n_prompts, 4, seed, step) == before
+                examples, task_seeds = task.questions(n_prompts, 4, seed, step)
+                assert (examples, task_seeds) == ([train[i] for i in before[0]], before[1])
 
 
 def test_counts_follow_the_weights():
@@ -219,27 +222,29 @@ def test_eval_split_falls_back_to_test_where_there_is_no_val():
 
 def test_sft_mixes_pairs_by_weight_reproducibly():
     sets = [[{"d": d, "i": i} for i in range(size)] for d, size in enumerate([100, 40, 30])]
-    assert sft.mix_pairs(sets[:1], [1.0], 7, seed=0) == sets[0][:7]  # one dataset: its first n, as before mixtures
-    assert sft.mix_pairs(sets[:1], [1.0], None, seed=0) == sets[0]
-    mixed = sft.mix_pairs(sets, [0.5, 0.25, 0.25], None, seed=0)  # mbpp-like set of 30 limits: n = 120
+    assert data.mix_pairs(sets[:1], [1.0], 7, seed=0) == sets[0][:7]  # one dataset: its first n, as before mixtures
+    assert data.mix_pairs(sets[:1], [1.0], None, seed=0) == sets[0]
+    mixed = data.mix_pairs(sets, [0.5, 0.25, 0.25], None, seed=0)  # mbpp-like set of 30 limits: n = 120
     assert [sum(p["d"] == d for p in mixed) for d in range(3)] == [60, 30, 30]
     assert len({(p["d"], p["i"]) for p in mixed}) == len(mixed)  # no pair twice
-    assert mixed == sft.mix_pairs(sets, [0.5, 0.25, 0.25], None, seed=0)
-    assert mixed != sft.mix_pairs(sets, [0.5, 0.25, 0.25], None, seed=1)  # another random subset of dataset 0
-    assert [sum(p["d"] == d for p in sft.mix_pairs(sets, [2, 1, 1], 40, seed=0)) for d in range(3)] == [20, 10, 10]
+    assert mixed == data.mix_pairs(sets, [0.5, 0.25, 0.25], None, seed=0)
+    assert mixed != data.mix_pairs(sets, [0.5, 0.25, 0.25], None, seed=1)  # another random subset of dataset 0
+    assert [sum(p["d"] == d for p in data.mix_pairs(sets, [2, 1, 1], 40, seed=0)) for d in range(3)] == [20, 10, 10]
     with pytest.raises(ValueError, match="dataset 3 of the mixture has 30, its weight asks for 50"):
-        sft.mix_pairs(sets, [0.5, 0.0, 0.5], 100, seed=0)
+        data.mix_pairs(sets, [0.5, 0.0, 0.5], 100, seed=0)
 
 
 def test_sft_pairs_of_a_three_way_mixture(tiny_model_dir, shared_data):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     args = sft.Args(dataset="gsm8k:0.5,math:0.25,mbpp:0.25", data_dir=str(shared_data), template="question",
                     dataset_templates=["mbpp=r1_zero"], batch_size=4)  # fmt: skip
-    pairs = sft.build_sft_pairs(args, tokenizer)
+    task = data.load_task(args, tokenizer)  # as sft.main builds its pairs
+    pairs = data.sft_pairs(task, args.sft_file, args.n_examples, args.seed)
     counts = {name: sum(p["example"]["dataset"] == name for p in pairs) for name in ("gsm8k", "math", "mbpp")}
     assert counts == {"gsm8k": 748, "math": 374, "mbpp": 374}  # MBPP's 374 train tasks are a quarter: n = 1496
     assert all(p["prompt"].startswith("A conversation") == (p["example"]["dataset"] == "mbpp") for p in pairs)
-    assert all(p["response"].endswith(tokenizer.eos_token) for p in pairs)
+    # Each response is its dataset's worked solution in its template (sft.main then appends EOS: test_sft.py)
+    assert all(p["response"] == task.response(p["example"]) for p in pairs)
 
 
 # --- the scripts: a bad spec stops before the engine starts ---
@@ -282,10 +287,13 @@ def test_bad_curriculum_stops_before_the_engine_starts(script, tiny_model_dir, s
         script.main(script.Args(**common, **many, group_size=2))
 
 
-def test_sft_refuses_ifeval_without_solutions(tmp_path, monkeypatch):
+def test_sft_refuses_ifeval_without_solutions(shared_data, tmp_path, monkeypatch):
+    # data.sft_pairs refuses, after data.load_task has read the train splits (hence --data-dir: no hub download).
     monkeypatch.setattr(sft, "init_vllm", lambda *a: pytest.fail("the engine must not start"))
     with pytest.raises(ValueError, match="ifeval has no worked solutions"):
-        sft.main(sft.Args(dataset="gsm8k,ifeval", dataset_templates=["ifeval=question"], output_dir=str(tmp_path)))
+        sft.main(sft.Args(dataset="gsm8k,ifeval", dataset_templates=["ifeval=question"], data_dir=str(shared_data),
+                          output_dir=str(tmp_path)))  # fmt: skip
+    assert not list(tmp_path.iterdir())  # not even a run folder
 
 
 # --- whole runs on the four-way mixture: the tiny model, the real engine, the real data (first 64 of each split) ---
@@ -339,7 +347,7 @@ def grpo_curriculum_run(small_splits, tiny_model_dir, shared_data, tmp_path_fact
     args = grpo.Args(**run_settings(tiny_model_dir, shared_data, tmp_path / "runs", n_grpo_steps=2, save_every=1,
                                     rollout_batch_size=96, train_batch_size=96, microbatch_size=32, lr=1e-2,
                                     eval_every=1000, curriculum=[f"mbpp={tmp_path / 'mbpp_order.txt'}"]))  # fmt: skip
-    with interrupted_at_call(grpo, "check_vllm_follows_policy", 3):  # checks: at the start, after steps 1 and 2
+    with interrupted_at_call(grpo, "write_rollouts", 2):  # once a step: step 2 dies after writing its rollouts
         grpo.main(args)
     (run_dir,) = (tmp_path / "runs").iterdir()
     data._DRAWN.clear()
