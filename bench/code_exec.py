@@ -4,21 +4,18 @@ Each program is its reference `code` plus its three asserts, run by verifiers.ru
 Prints, per mode, the number that passed and the throughput.
 
 Usage:
-    python bench/code_exec.py --data-dir ../shared/data
-    python bench/code_exec.py --data-dir ../shared/data --limit 200 --timeout-s 5
+    python -m bench.code_exec --data-dir ../shared/data
+    python -m bench.code_exec --data-dir ../shared/data --limit 200 --timeout-s 5
 """
 
 import os
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import tyro
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere: data.py and verifiers.py
-import data  # noqa: E402
-import verifiers  # noqa: E402
+import data
+import verifiers
 
 
 @dataclass

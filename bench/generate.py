@@ -1,11 +1,13 @@
-"""Generation: tokens/s of grpo.py's vLLM engine against transformers' generate, same model, prompts and sampling.
+"""Generation: tokens/s of a vLLM engine started as grpo.py's against transformers' generate, same model, prompts and
+sampling.
 
 The reason the project samples with vLLM. Both sides get the synthetic task's prompts (template "question"), group size
 8 (vLLM: n=8 with a prefix cache; transformers: num_return_sequences=8), temperature 1, top-p 1, float32, at most
---max-tokens new tokens, on a random-weight model from tiny_model.py (grpo_step.py's SIZES: the issue's two rows).
+the size's max new tokens, on a random-weight model from tiny_model.py (bench/grpo_step.py's SIZES: the issue's two
+rows).
 
-    python bench/generate.py                      # tiny and 25m, each in its own process (one engine each)
-    python bench/generate.py --sizes tiny --repeats 1
+    python -m bench.generate                      # tiny and 25m, each in its own process (one engine each)
+    python -m bench.generate --sizes tiny --repeats 1
 
 Prints, per size: generated tokens, seconds and tokens/s of each side (median of --repeats after a warm-up) and the
 ratio vLLM / transformers. With --profile, then one more engine call under cProfile and where it went: own seconds
@@ -13,7 +15,7 @@ per source file (the model's matmul and attention kernels, vLLM's scheduler, its
 the Python parts several times over, so read its seconds as a ranking, not as the unprofiled call's split. The engine
 samples as grpo.py's does: with each sampled token's log-prob (logprobs=0), which transformers' side does not compute.
 
-    python bench/generate.py --sizes 25m --repeats 1 --profile
+    python -m bench.generate --sizes 25m --repeats 1 --profile
 """
 
 import collections
@@ -22,29 +24,26 @@ import json
 import os
 import pstats
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-from grpo_step import SIZES, describe, make_model, run_in_own_process  # noqa: E402
+from bench.grpo_step import SIZES, describe, make_model, run_in_own_process, start_engine
 
 
 @dataclass
 class Args:
     sizes: list[str] = field(default_factory=lambda: list(SIZES))
-    """keys of grpo_step.SIZES (the batch: prompts, group size, max new tokens)"""
+    """keys of bench.grpo_step.SIZES (the batch: prompts, group size, max new tokens)"""
     repeats: int = 2
     """timed generations per side (median), after one warm-up"""
     work_dir: str | None = None
     """where the models go (None: a temporary folder)"""
     model: str | None = None
     """time this one model folder here, in this process, and print one JSON line (what each size's process runs)"""
-    size: str = "tiny"
-    """with --model: the key of grpo_step.SIZES whose batch to generate"""
+    batch: tuple[int, int, int, int] = SIZES["tiny"]
+    """with --model: the batch to generate, a value of SIZES (prompts, group size, max new tokens, microbatch)"""
     profile: bool = False
     """also profile one engine call, and print the functions with the most own time"""
 
@@ -61,24 +60,23 @@ def own_time_by_file(fn, n: int = 12) -> list[tuple[str, float]]:
     return seconds.most_common(n)
 
 
-def time_model(model: str, size: str, repeats: int, profile: bool = False) -> dict:
+def time_model(model: str, batch: tuple, repeats: int, profile: bool = False) -> dict:
     import torch
+    from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
-    sys.path.insert(0, str(ROOT))
     import data
-    import grpo
 
-    n_prompts, group, max_tokens, _ = SIZES[size][1]
-    llm = grpo.init_vllm(model, "cpu", 1, 0.3, 1024)
+    n_prompts, group, max_tokens, _ = batch
+    llm = start_engine(model)
     tokenizer = llm.get_tokenizer()
     prompts = [data.render_prompt(ex, "question") for ex in data.load("synthetic", "train")[:n_prompts]]
     params = [  # grpo.py's sampling: with each sampled token's log-prob (for its importance-sampling correction)
         SamplingParams(n=group, temperature=1.0, top_p=1.0, max_tokens=max_tokens, logprobs=0, seed=j)
         for j in range(n_prompts)
     ]
-    policy, _ = grpo.seed_and_load_policy(model, "cpu", False, 1)
-    policy.eval()
+    torch.manual_seed(1)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     tokenizer.padding_side = "left"  # generate appends to the right: prompts must end at the same column
     encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
 
@@ -113,15 +111,15 @@ def time_model(model: str, size: str, repeats: int, profile: bool = False) -> di
 
 def main(args: Args) -> list[dict]:
     if args.model:
-        print(json.dumps(time_model(args.model, args.size, args.repeats, args.profile)))
+        print(json.dumps(time_model(args.model, args.batch, args.repeats, args.profile)))
         return []
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="generate_"))
     print(f"generation, median of {args.repeats}; load average {os.getloadavg()[0]:.1f}")
     rows = []
     for size in args.sizes:
-        child = ["--model", make_model(work, size), "--size", size, "--repeats", str(args.repeats),
+        child = ["--model", make_model(work, size), "--batch", *map(str, SIZES[size]), "--repeats", str(args.repeats),
                  *(["--profile"] if args.profile else [])]  # fmt: skip
-        r = {"size": size, **run_in_own_process(__file__, child)}
+        r = {"size": size, **run_in_own_process("bench.generate", child)}
         vllm_rate, hf_rate = r["vllm_tokens"] / r["vllm_s"], r["hf_tokens"] / r["hf_s"]
         print(f"{describe(size)}\n  vLLM engine   {r['vllm_tokens']:>6.0f} tokens {r['vllm_s']:6.2f} s "
               f"{vllm_rate:7.0f} tokens/s\n  transformers  {r['hf_tokens']:>6.0f} tokens {r['hf_s']:6.2f} s "

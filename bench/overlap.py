@@ -3,41 +3,39 @@
 One-step-off-policy GRPO (verl's one_step_off_policy recipe, TRL's and PipelineRL's async modes) lets the engine sample
 the next batch while the trainer updates on the last one. It changes the algorithm (each batch comes from the weights
 of one update ago) and it pays only where the two phases do not share the hardware: two GPUs, or phases that leave
-CPU cores idle. On one batch of the issue's settings (grpo_step.SIZES) this prints
+CPU cores idle. On one batch of the issue's settings (bench/grpo_step.py's SIZES) this prints
 
-    generate   the engine samples the batch, as grpo.py's step 1 does
-    train      grpo.py's update on it (get_response_log_probs, grpo_microbatch_train_step), one AdamW step
+    generate   an engine started as grpo.py's samples the batch, as grpo.py's step 1 does
+    train      an update on it as grpo.py's (bench/train_step.py's microbatch_backward), one AdamW step
     both       the two at once: the engine samples in a second thread while this one trains
 
 and both / (generate + train): 1.0 means overlapping gains nothing; max(generate, train) / (generate + train) is the
 most it could gain (the slower phase hides the other).
 
-    python bench/overlap.py                             # both sizes, on the CPU
-    python bench/overlap.py --sizes tiny --repeats 1
-    python bench/overlap.py --vllm-device cuda:0 --policy-device cuda:1     # two GPUs (not run yet)
+    python -m bench.overlap                             # both sizes, on the CPU
+    python -m bench.overlap --sizes tiny --repeats 1
+    python -m bench.overlap --vllm-device cuda:0 --policy-device cuda:1     # two GPUs (not run yet)
 
 Each size runs in its own process (one engine each): where engines share a machine, wrap it in `flock /tmp/vllm.lock`.
 """
 
+import contextlib
 import json
 import os
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-from grpo_step import SIZES, describe, make_model, run_in_own_process  # noqa: E402
+from bench.grpo_step import SIZES, describe, make_model, run_in_own_process, start_engine
 
 
 @dataclass
 class Args:
     sizes: list[str] = field(default_factory=lambda: list(SIZES))
-    """keys of grpo_step.SIZES"""
+    """keys of bench.grpo_step.SIZES"""
     repeats: int = 2
     """timed rounds (median), after one warm-up round"""
     vllm_device: str = "cpu"
@@ -46,51 +44,56 @@ class Args:
     """where the models go (None: a temporary folder)"""
     model: str | None = None
     """time this one model folder here, in this process, and print one JSON line (what each size's process runs)"""
-    size: str = "tiny"
-    """with --model: the key of grpo_step.SIZES whose batch to use"""
+    batch: tuple[int, int, int, int] = SIZES["tiny"]
+    """with --model: the batch, a value of SIZES (prompts, group size, max new tokens, microbatch)"""
 
 
-def time_model(model: str, size: str, repeats: int, vllm_device: str, policy_device: str) -> dict:
+def time_model(model: str, batch: tuple, repeats: int, vllm_device: str, policy_device: str) -> dict:
     import torch
+    from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
-    sys.path.insert(0, str(ROOT))
     import data
-    import grpo
+    from bench.train_step import microbatch_backward
 
-    n_prompts, group, max_tokens, micro = SIZES[size][1]
-    llm = grpo.init_vllm(model, vllm_device, 1, 0.3, 1024)
-    policy, autocast = grpo.seed_and_load_policy(model, policy_device, False, 1)
+    n_prompts, group, max_tokens, micro = batch
+    llm = start_engine(model, vllm_device)  # the engine first, while the GPU is empty (as grpo.py)
+    torch.manual_seed(1)
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(policy_device).train()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
     prompts = [data.render_prompt(ex, "question") for ex in data.load("synthetic", "train")[:n_prompts]]
     params = [
         SamplingParams(n=group, temperature=1.0, max_tokens=max_tokens, logprobs=0, seed=j) for j in range(n_prompts)
     ]
+    # vLLM samples on the ambient CUDA device: make the engine's current while it generates (grpo.py does the same)
+    on_engine = torch.cuda.device(vllm_device) if vllm_device.startswith("cuda") else contextlib.nullcontext()
 
-    def generate() -> tuple[list[list[int]], list[list[int]]]:
+    def generate() -> list[tuple[list[int], list[int]]]:
         llm.reset_prefix_cache()  # every round samples the prompts afresh, as after a reload
-        with grpo.engine_device(vllm_device):
+        with on_engine:
             outputs = llm.generate(prompts, params, use_tqdm=False)
-        return ([list(o.prompt_token_ids) for o in outputs for _ in o.outputs],
-                [list(c.token_ids) for o in outputs for c in o.outputs])  # fmt: skip
+        return [(list(o.prompt_token_ids), list(c.token_ids)) for o in outputs for c in o.outputs]
 
-    prompt_ids, response_ids = generate()  # the batch every round trains on
-    batch = grpo.collate_token_ids(prompt_ids, response_ids, llm.get_tokenizer().pad_token_id)
-    lengths = [len(p) + len(r) - 1 for p, r in zip(prompt_ids, response_ids, strict=True)]
-    advantages = torch.tensor([1.0, -1.0]).repeat(len(lengths) // 2).to(policy_device)  # (B,) half up, half down
-    n_tokens = int(batch["response_mask"].sum())
+    # The batch every round trains on, in microbatches of rows sorted by length (little padding, as grpo.py's)
+    pairs = sorted(generate(), key=lambda pair: len(pair[0]) + len(pair[1]))
+    pad_id = llm.get_tokenizer().pad_token_id
+    batches = []
+    for i in range(0, len(pairs), micro):
+        rows = pairs[i : i + micro]
+        width = max(len(p) + len(r) for p, r in rows)
+        ids = torch.full((len(rows), width), pad_id)  # (b, L)
+        is_response = torch.zeros((len(rows), width), dtype=torch.bool)  # (b, L)
+        for j, (p, r) in enumerate(rows):
+            ids[j, : len(p) + len(r)] = torch.tensor(p + r)
+            is_response[j, len(p) : len(p) + len(r)] = True
+        advantages = torch.tensor([1.0, -1.0]).repeat(len(rows))[: len(rows)]  # (b,) half up, half down
+        batches.append([t.to(policy_device) for t in (ids, is_response[:, 1:], advantages)])
+    n_tokens = sum(int(mask.sum()) for _, mask, _ in batches)
 
     def train() -> None:
-        micro_list = grpo.microbatches(list(range(len(lengths))), lengths, micro)
-        for rows in micro_list:
-            part = grpo.take_rows(batch, rows, lengths, policy_device)
-            with autocast:
-                out = grpo.get_response_log_probs(policy, part["input_ids"], part["labels"], True)
-            grpo.grpo_microbatch_train_step(
-                out["log_probs"], part["response_mask"], len(micro_list), "grpo_clip", advantages=advantages[rows],
-                old_log_probs=out["log_probs"].detach(), cliprange=0.2, loss_aggregation="token_mean",
-                n_batch_sequences=len(lengths), n_batch_tokens=n_tokens,
-            )  # fmt: skip
+        for ids, response_mask, advantages in batches:
+            microbatch_backward(policy, ids, response_mask, advantages, n_tokens)
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if policy_device.startswith("cuda"):
@@ -109,20 +112,20 @@ def time_model(model: str, size: str, repeats: int, vllm_device: str, policy_dev
 
     rounds = [(seconds(generate), seconds(train), seconds(both)) for _ in range(repeats + 1)][1:]  # [0]: warm-up
     generate_s, train_s, both_s = (statistics.median(column) for column in zip(*rounds, strict=True))
-    return {"generate_s": generate_s, "train_s": train_s, "both_s": both_s, "responses": len(lengths)}
+    return {"generate_s": generate_s, "train_s": train_s, "both_s": both_s, "responses": len(pairs)}
 
 
 def main(args: Args) -> list[dict]:
     if args.model:
-        print(json.dumps(time_model(args.model, args.size, args.repeats, args.vllm_device, args.policy_device)))
+        print(json.dumps(time_model(args.model, args.batch, args.repeats, args.vllm_device, args.policy_device)))
         return []
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="overlap_"))
     print(f"generate and train, apart and at once; median of {args.repeats}; load average {os.getloadavg()[0]:.1f}")
     rows = []
     for size in args.sizes:
-        child = ["--model", make_model(work, size), "--size", size, "--repeats", str(args.repeats),
+        child = ["--model", make_model(work, size), "--batch", *map(str, SIZES[size]), "--repeats", str(args.repeats),
                  "--vllm-device", args.vllm_device, "--policy-device", args.policy_device]  # fmt: skip
-        r = {"size": size, **run_in_own_process(__file__, child)}
+        r = {"size": size, **run_in_own_process("bench.overlap", child)}
         apart = r["generate_s"] + r["train_s"]
         r["ratio"], r["best_ratio"] = r["both_s"] / apart, max(r["generate_s"], r["train_s"]) / apart
         print(f"{describe(size)}\n  generate {r['generate_s']:.2f} s + train {r['train_s']:.2f} s = {apart:.2f} s "

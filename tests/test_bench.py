@@ -1,17 +1,17 @@
-"""The bench scripts run and measure what they say, on tiny shapes; never a timing assertion (bench/ prints those)."""
+"""The benches run and measure what they say, on tiny shapes; never a timing assertion (bench/ prints those).
+They import as bench.<name>, as `python -m bench.<name>` runs them from the repository root (conftest's sys.path)."""
 
-import sys
-from pathlib import Path
-
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import generate  # noqa: E402
-import grpo_step  # noqa: E402
-import overlap  # noqa: E402
-import reload  # noqa: E402
-import train_step  # noqa: E402
+from bench import generate, grpo_step, overlap, reload, train_step
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> str:
+    """One work folder for the benches that start engines: they build the tiny model in it once (make_model)."""
+    return str(tmp_path_factory.mktemp("bench"))
 
 
 def test_qwen3_1_7b_shape_has_its_parameter_count():
@@ -20,6 +20,33 @@ def test_qwen3_1_7b_shape_has_its_parameter_count():
         model = AutoModelForCausalLM.from_config(Qwen3Config(**train_step.SHAPES["qwen3-1.7b"]))
     n_params = sum(p.numel() for p in model.parameters())
     assert 1.70e9 < n_params < 1.74e9, n_params
+
+
+def test_ladder_and_25m_shapes_have_the_issue_parameter_counts():
+    # the models tiny_model.py builds for the issue's two rows: 0.85M and 25.4M parameters
+    for shape, (low, high) in {"ladder": (0.84e6, 0.86e6), "25m": (25.3e6, 25.5e6)}.items():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(Qwen3Config(**train_step.SHAPES[shape]))
+        assert low < sum(p.numel() for p in model.parameters()) < high, shape
+
+
+def test_train_step_copy_has_the_reinforce_gradient_and_the_entropy():
+    # On-policy (ratio 1) the clipped surrogate's gradient is REINFORCE's: -A grad log p, token-mean over the batch.
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**{**train_step.SHAPES["ladder"], "num_hidden_layers": 1}))
+    ids = torch.randint(0, 477, (3, 9))  # (B, T + 1)
+    mask = torch.rand(3, 8) < 0.6  # (B, T)
+    advantages, n_tokens = torch.tensor([1.0, -0.5, 2.0]), 11
+    entropy_sum = train_step.microbatch_backward(model, ids, mask, advantages, n_tokens)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    logits = model(ids[:, :-1]).logits  # (B, T, V)
+    log_probs = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    (-(advantages[:, None] * log_probs * mask).sum() / n_tokens).backward()
+    for got, want in zip(grads, (p.grad for p in model.parameters()), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    entropy = torch.distributions.Categorical(logits=logits.detach()).entropy()  # (B, T)
+    torch.testing.assert_close(entropy_sum, (entropy * mask).sum())
 
 
 def test_tiny_shape_trains_on_cpu():
@@ -34,46 +61,51 @@ def test_cpu_matmul_peak_is_a_positive_rate():
     assert 0 < train_step.cpu_matmul_tflops(n=128, repeats=2) < 100  # TFLOP/s: no CPU reaches 100 in float32
 
 
-def test_ladder_and_25m_shapes_have_the_issue_parameter_counts():
-    # the models tiny_model.py builds for the issue's two rows: 0.85M and 25.4M parameters
-    for shape, (low, high) in {"ladder": (0.84e6, 0.86e6), "25m": (25.3e6, 25.5e6)}.items():
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(Qwen3Config(**train_step.SHAPES[shape]))
-        assert low < sum(p.numel() for p in model.parameters()) < high, shape
-
-
 def test_grpo_step_medians_leave_out_the_warm_up_step():
     assert grpo_step.median_after_warmup([100.0, 1.0, 3.0, 2.0]) == 2.0
     assert grpo_step.median_after_warmup([5.0]) == 5.0
     assert grpo_step.describe("tiny") == "tiny: 256 completions (32 x 8), <= 64 tokens, microbatch 64"
 
 
-def test_reload_bench_times_a_reload_and_a_plain_copy_of_the_same_bytes(tmp_path):
+def test_grpo_step_reads_the_phases_from_a_grpo_py_run(work, monkeypatch):
+    # grpo.py's command line and its metrics.jsonl keys, on a batch of 4 questions x 2 responses of <= 8 tokens
+    monkeypatch.setitem(grpo_step.SIZES, "tiny", (4, 2, 8, 8))
+    args = grpo_step.Args(sizes=["tiny"], steps=2, work_dir=work, grpo_args=["--n-eval", "2"])
+    (row,) = grpo_step.main(args)
+    g = row["grpo"]
+    assert all(g[phase] >= 0 for phase in grpo_step.PHASES) and g["generate"] > 0 and g["train"] > 0, g
+    assert abs(g["step"] - sum(g[phase] for phase in grpo_step.PHASES)) < 1e-9  # the median of step 2 alone
+    assert 1 <= g["response_length"] <= 8 and "trl" not in row
+
+
+def test_reload_bench_times_a_reload_and_a_plain_copy_of_the_same_bytes(work):
     # starts a vLLM engine in a subprocess; tiny model, one timed reload
-    (row,) = reload.main(reload.Args(sizes=["tiny"], repeats=1, work_dir=str(tmp_path)))
+    (row,) = reload.main(reload.Args(sizes=["tiny"], repeats=1, work_dir=work))
     assert 3.0e6 < row["bytes"] < 4.0e6  # 0.85M float32 parameters, the tied lm_head counted once more: ~3.6 MB
-    assert row["reload_s"] > 0 and row["copy_s"] > 0 and row["check_s"] > 0
+    assert row["reload_s"] > 0 and row["copy_s"] > 0
 
 
-def test_generate_bench_counts_tokens_of_both_sides(tmp_path):
-    (row,) = generate.main(generate.Args(sizes=["tiny"], repeats=1, work_dir=str(tmp_path)))
-    # 256 responses of 1..64 tokens each, on both sides
-    for side in ("vllm", "hf"):
-        assert 256 <= row[f"{side}_tokens"] <= 256 * 64, row
+def test_generate_bench_counts_tokens_of_both_sides(work, monkeypatch):
+    # starts a vLLM engine in a subprocess, which gets the batch from here: 4 prompts x 2 responses of <= 8 tokens
+    monkeypatch.setitem(generate.SIZES, "tiny", (4, 2, 8, 8))
+    (row,) = generate.main(generate.Args(sizes=["tiny"], repeats=1, work_dir=work))
+    for side in ("vllm", "hf"):  # 8 responses of 1..8 tokens each, on both sides
+        assert 8 <= row[f"{side}_tokens"] <= 8 * 8, row
         assert row[f"{side}_s"] > 0
 
 
-def test_overlap_bench_times_each_phase_apart_and_both_at_once(tmp_path):
-    # starts a vLLM engine in a subprocess; tiny model; one timed round of each
-    (row,) = overlap.main(overlap.Args(sizes=["tiny"], repeats=1, work_dir=str(tmp_path)))
-    assert row["responses"] == 256 and min(row["generate_s"], row["train_s"], row["both_s"]) > 0
+def test_overlap_bench_times_each_phase_apart_and_both_at_once(work, monkeypatch):
+    # starts a vLLM engine in a subprocess; tiny model, 4 prompts x 2 responses of <= 8 tokens; one timed round of each
+    monkeypatch.setitem(overlap.SIZES, "tiny", (4, 2, 8, 4))
+    (row,) = overlap.main(overlap.Args(sizes=["tiny"], repeats=1, work_dir=work))
+    assert row["responses"] == 8 and min(row["generate_s"], row["train_s"], row["both_s"]) > 0
     # the most overlap can hide is the faster phase: between 1/2 (equal phases) and 1
     assert 0.5 <= row["best_ratio"] < 1 and row["ratio"] == row["both_s"] / (row["generate_s"] + row["train_s"])
 
 
 def test_profile_adds_up_own_time_by_file():
-    def work():
+    def busy():
         return sorted(range(200_000), key=lambda i: -i)  # the key's calls are this file's own time
 
-    seconds = dict(generate.own_time_by_file(work))
+    seconds = dict(generate.own_time_by_file(busy))
     assert seconds["test_bench.py"] > 0 and seconds["<built-in method builtins.sorted>"] > 0
