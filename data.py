@@ -1035,8 +1035,8 @@ def read_sft_file(path: str, fields: tuple[str, ...] = ("prompt", "response")) -
     """Rows of {"prompt", "response"} (optionally "answer", "verifier"); a bad row names its file, line and field."""
     rows = []
     for where, row in _read_jsonl(Path(path)):
-        for key in fields:
-            _field(row, key, where)
+        for key in fields:  # an answer may be a dict (IFEval's instructions): only prompt and response are text
+            _field(row, key, where, str if key in ("prompt", "response") else object)
         rows.append(row)
     return rows
 

@@ -222,7 +222,6 @@ def test_filter_correct_trains_only_on_what_the_verifier_accepts(tiny_model_dir,
     assert sorted(p["prompt"] for p in batch) == ["Q0", "Q2", "Q4", "Q6"]
 
 
-@pytest.mark.xfail(strict=True, raises=data.DataError, reason="data.read_sft_file requires a str 'answer'")
 def test_filter_correct_reads_an_ifeval_row_of_kept_jsonl(tiny_model_dir, tmp_path, monkeypatch):
     # expert_iter.py's kept.jsonl is a valid --sft-file; an IFEval row's answer is a dict (its instructions).
     row = {"prompt": "Say hi.\nYour entire response should be in English, and in all lowercase letters.",
