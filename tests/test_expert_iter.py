@@ -2,11 +2,11 @@
 
 import gc
 import json
+import shutil
 from contextlib import nullcontext
 
 import pytest
 import torch
-from conftest import interrupted_at_call
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data
@@ -121,7 +121,7 @@ def run_args(tiny_model_dir, tmp_path, **overrides) -> expert_iter.Args:
         model=str(tiny_model_dir), dataset="synthetic", output_dir=str(tmp_path), template="r1_zero",
         n_ei_steps=2, n_questions=8, group_size=4, max_tokens=24, n_sft_epochs=2, temperature=1.0,
         batch_size=8, microbatch_size=4, lr=1e-3, warmup_steps=0, max_seq_len=256,
-        n_eval=8, eval_max_tokens=16, n_log_generations=2,
+        n_eval=4, eval_max_tokens=8, n_log_generations=2,
     )  # fmt: skip
     settings.update(overrides)
     return expert_iter.Args(**settings)
@@ -203,14 +203,19 @@ def test_skipped_reload_trips_the_check(tiny_model_dir, tmp_path, monkeypatch):
 
 @pytest.mark.usefixtures("free_engines")
 def test_resume_ends_where_an_uninterrupted_run_ends(straight_run, tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(verifiers, "score", parity_reward)
-    # Step 1 finishes and is saved; step 2 dies after sampling (select_correct's second call).
-    with interrupted_at_call(expert_iter, "select_correct", 2):
-        expert_iter.main(run_args(tiny_model_dir, tmp_path))
-    (stopped,) = tmp_path.iterdir()
+    # The straight run as a run killed while saving step 2 would have left it: step 1's checkpoint complete, step 2's
+    # records written, its checkpoint still step_000002.tmp. (sft.py's and grpo's resume tests stop real runs.)
+    stopped = tmp_path / straight_run.name
+    shutil.copytree(straight_run, stopped)
+    (stopped / "checkpoints" / "step_000002").rename(stopped / "checkpoints" / "step_000002.tmp")
     assert expert_iter.checkpoints(stopped)[-1].name == "step_000001"
+    monkeypatch.setattr(verifiers, "score", parity_reward)
     resumed = expert_iter.main(run_args(tiny_model_dir, tmp_path, resume=str(stopped)))
-    assert resumed == stopped and expert_iter.checkpoints(resumed)[-1].name == "step_000002"
+    assert resumed == stopped and [p.name for p in expert_iter.checkpoints(resumed)] == ["step_000001", "step_000002"]
+    assert not (stopped / "checkpoints" / "step_000002.tmp").exists()
+    # Step 2's records were dropped and written again, once.
+    assert [m["step"] for m in read_jsonl(resumed / "metrics.jsonl")] == [0, 1, 2]
+    assert read_jsonl(resumed / "kept.jsonl") == read_jsonl(straight_run / "kept.jsonl")
 
     # Same questions, same samples, same kept set, same optimizer state: the same final weights.
     straight_step_2 = read_jsonl(straight_run / "metrics.jsonl")[2]
