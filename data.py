@@ -964,6 +964,7 @@ class Task:
     sizes: list[int]
     orders: list[list[int] | None]
     evals: dict[str, list[dict]]
+    data_dir: str | None = None
     tokenizer: object = None
 
     def prompt(self, example: dict) -> str:
@@ -1010,7 +1011,7 @@ def load_task(args, tokenizer=None, n_questions: int = 0, train: bool = True) ->
     split = {name: eval_split(name, args.eval_split) for name in names}
     evals = {name: [{**ex, "dataset": name} for ex in load(name, split[name], args.data_dir)[: args.n_eval]]
              for name in names}  # fmt: skip
-    return Task(names, weights, templates, examples, sizes, orders, evals, tokenizer)
+    return Task(names, weights, templates, examples, sizes, orders, evals, args.data_dir, tokenizer)
 
 
 def eval_metrics(records: list[dict]) -> dict:
@@ -1050,9 +1051,9 @@ def sft_pairs(task: Task, sft_file: str | None, n_examples: int | None, seed: in
     else:
         if "ifeval" in task.names:
             raise ValueError("ifeval has no worked solutions to fine-tune on: leave it out, or give --sft-file")
-        starts = np.cumsum([0, *task.sizes]).tolist()
-        pair_sets = [[{"prompt": task.prompt(ex), "response": task.response(ex), "example": ex}
-                      for ex in task.train[a:b]] for a, b in zip(starts, starts[1:], strict=False)]  # fmt: skip
+        examples = [[{**ex, "dataset": name} for ex in load(name, "train", task.data_dir)] for name in task.names]
+        pair_sets = [[{"prompt": task.prompt(ex), "response": task.response(ex), "example": ex} for ex in exs]
+                     for exs in examples]  # fmt: skip
         weights = task.weights
     pair_sets = [[p for p in pairs if keep(p)] for pairs in pair_sets] if keep else pair_sets
     return mix_pairs(pair_sets, weights, n_examples, seed)

@@ -347,8 +347,9 @@ def resolve_devices(args) -> tuple[str, str, float, float]:
     canonical = lambda d: str(torch.device(d.type, d.index or 0) if (d := torch.device(d)).type == "cuda" else d)
     policy_device = canonical(args.policy_device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     vllm_device = canonical(args.vllm_device or ("cuda:1" if torch.cuda.device_count() > 1 else policy_device))
-    memory = args.vllm_gpu_memory_utilization or (0.3 if vllm_device == policy_device else 0.85)
-    return policy_device, vllm_device, memory, args.reload_tol or (1e-3 if vllm_device == "cpu" else 0.5)
+    memory, tol = args.vllm_gpu_memory_utilization, args.reload_tol  # None: the defaults; 0 is a value
+    memory = (0.3 if vllm_device == policy_device else 0.85) if memory is None else memory
+    return policy_device, vllm_device, memory, (1e-3 if vllm_device == "cpu" else 0.5) if tol is None else tol
 
 
 def load_policy(model_path: str, device: str, gradient_checkpointing: bool, seed: int):
@@ -430,7 +431,7 @@ def make_logger(run_dir: Path, args):
 
 def main(args: Args) -> Path:
     args = restore_args(args)  # --resume: the stopped run's arguments
-    task = data.load_task(args, train=not args.sft_file)  # a bad spec stops here, before the engine starts
+    task = data.load_task(args, train=False)  # a bad spec stops here, before the engine starts
     keep = (lambda p: verifiers.score(p["response"], p["example"])["reward"] == 1) if args.filter_correct else None
     pairs = data.sft_pairs(task, args.sft_file, args.n_examples, args.seed, keep)
     if len(pairs) < args.batch_size:
