@@ -9,15 +9,15 @@ GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300) is PPO without a value
      response tokens, ratio_t = p(token) / p_old(token), for one or more optimizer steps on these rollouts;
   5. copy the new weights into the engine and *prove* it now samples from them (reload_and_check).
 
-Beyond the textbook, each an Args field: three loss aggregations, DAPO's clip-higher, a k3 KL penalty, several
-optimizer steps per rollout batch, dropping groups with no signal, masking truncated responses, truncated importance
-sampling. train/loss sits near 0 while the model learns: watch rollout/reward_mean (docs/background.md says why).
-The questions, the engine's seeds and the minibatch order derive from (seed, step): --resume replays a stopped run.
+Beyond the textbook, each an Args field: GSPO and CISPO losses, three loss aggregations, clip-higher, a k3 KL, DAPO's
+overlong penalty, several updates per rollout batch, dropping groups with no signal, truncated importance sampling
+(docs/grpo_family.md compares them). train/loss sits near 0 while the model learns: watch rollout/reward_mean. All
+that is random derives from (seed, step): --resume replays a stopped run.
 
 Deliberate simplifications:
 1. One trainer process, no data or model parallelism; generation and training take turns (no asynchronous rollouts).
 2. Zero-variance groups are dropped, not replaced by new samples (DAPO's dynamic sampling): the batch gets smaller.
-3. The reward is the verifier's: 1 for a right answer, else 0; no format bonus, no length penalty.
+3. The reward is the verifier's: 1 for a right answer, else 0; no format bonus; a length penalty only on request.
 4. The KL penalty is in the loss (k3, per token), never in the reward, and is off by default (beta = 0), as in TRL.
 5. The engine/trainer mismatch is corrected per token (truncated at 2, verl's choice), not by masking sequences.
 6. No value function, no GAE, no reward model: those are PPO's; the group mean is the baseline.
@@ -101,7 +101,7 @@ class Args:
     max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this
 
     # --- grpo ---
-    loss_type: str = "grpo_clip"  # no_baseline | reinforce_with_baseline | grpo_clip
+    loss_type: str = "grpo_clip"  # no_baseline | reinforce_with_baseline | grpo_clip | gspo | cispo (LOSS_TYPES)
     loss_aggregation: str = "token_mean"  # sequence_mean | token_mean | constant (grpo_microbatch_train_step)
     normalize_by_std: bool = True  # divide advantages by their group's std (Dr. GRPO: don't)
     advantage_eps: float = 1e-6  # added to the group's std before dividing
@@ -109,6 +109,8 @@ class Args:
     clip_high: float = 0.2  # the ratio is clipped above at 1 + clip_high (grpo_clip); DAPO's clip-higher uses 0.28
     beta: float = 0.0  # weight of the k3 KL to the starting model; 0: no reference loaded
     drop_zero_variance_groups: bool = True  # leave out groups with no gradient (groups_with_signal)
+    overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last this many tokens of --max-tokens; 0: off
+    overlong_penalty: float = 1.0  # the reward's penalty at --max-tokens tokens (overlong_penalty)
     mask_truncated: bool = False  # leave responses cut off at --max-tokens out of the loss (DAPO's overlong filtering)
     vllm_importance_sampling_cap: float | None = 2.0  # truncated IS of the engine's numerics; None: off
 
@@ -234,25 +236,52 @@ def compute_grpo_clip_loss(
                   "clipped_low": is_clipped & (advantages < 0), "ratio": ratio.detach()}  # fmt: skip
 
 
+# loss_type -> the inputs of compute_policy_gradient_loss it needs
+LOSS_TYPES = {"no_baseline": ("raw_rewards",), "reinforce_with_baseline": ("advantages",),
+              "grpo_clip": ("advantages", "old_log_probs", "cliprange"),
+              "gspo": ("advantages", "old_log_probs", "cliprange", "response_mask"),
+              "cispo": ("advantages", "old_log_probs", "cliprange")}  # fmt: skip
+
+
 def compute_policy_gradient_loss(
     policy_log_probs: torch.Tensor, loss_type: str, raw_rewards: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None, old_log_probs: torch.Tensor | None = None,
-    cliprange: float | tuple[float, float] | None = None,
+    cliprange: float | tuple[float, float] | None = None, response_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
-    """Per-token loss (B, T) and metadata: no_baseline -r log p, reinforce_with_baseline -A log p, grpo_clip."""
-    if loss_type == "no_baseline":
-        if raw_rewards is None:
-            raise ValueError("loss_type 'no_baseline' needs raw_rewards")
-        return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
-    if loss_type == "reinforce_with_baseline":
-        if advantages is None:
-            raise ValueError("loss_type 'reinforce_with_baseline' needs advantages")
-        return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
-    if loss_type == "grpo_clip":
-        if advantages is None or old_log_probs is None or cliprange is None:
-            raise ValueError("loss_type 'grpo_clip' needs advantages, old_log_probs and cliprange")
-        return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
-    raise ValueError(f"unknown loss_type {loss_type!r}; choose from no_baseline, reinforce_with_baseline, grpo_clip")
+    """Per-token loss (B, T) and metadata: no_baseline -r log p, reinforce_with_baseline -A log p, grpo_clip, and:
+    gspo   (Zheng et al. 2025) one ratio per response, s_i = exp(mean_t (log p - log p_old)) over its tokens (the
+           geometric mean of the token ratios), clipped per response as grpo_clip clips r_t, the same loss on each of
+           its tokens; the gradient flows through the mean. The paper's range is tiny (--clip-low 3e-4 --clip-high
+           4e-4): a sequence's ratio moves far less than a token's.
+    cispo  (MiniMax-M1, 2025) -sg(clip(r_t, 1 - low, 1 + high)) A log p: the clipped ratio, detached, only weighs the
+           REINFORCE term, so every token keeps a gradient (grpo_clip zeroes the clipped ones). MiniMax-M1 bounds
+           only above: --clip-low 1 (r > 0 anyway)."""
+    given = {"raw_rewards": raw_rewards, "advantages": advantages, "old_log_probs": old_log_probs,
+             "cliprange": cliprange, "response_mask": response_mask}  # fmt: skip
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(LOSS_TYPES)}")
+    if missing := [name for name in LOSS_TYPES[loss_type] if given[name] is None]:
+        raise ValueError(f"loss_type {loss_type!r} needs {', '.join(missing)}")
+    if loss_type in ("no_baseline", "reinforce_with_baseline"):
+        return compute_naive_policy_gradient_loss(raw_rewards if loss_type == "no_baseline" else advantages,
+                                                  policy_log_probs), {}  # fmt: skip
+    if loss_type == "gspo":
+        mask = response_mask.to(policy_log_probs.dtype)
+        log_ratio = ((policy_log_probs - old_log_probs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
+        loss, metadata = compute_grpo_clip_loss(advantages, log_ratio, torch.zeros_like(log_ratio), cliprange)  # (B, 1)
+        return loss.expand_as(policy_log_probs), {k: v.expand_as(policy_log_probs) for k, v in metadata.items()}
+    if loss_type == "cispo":
+        low, high = (cliprange, cliprange) if isinstance(cliprange, int | float) else cliprange
+        ratio = torch.exp(policy_log_probs - old_log_probs).detach()  # (B, T)
+        weight = ratio.clamp(1 - low, 1 + high)
+        return -weight * advantages.reshape(-1, 1) * policy_log_probs, {"clipped": weight != ratio, "ratio": ratio}
+    return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
+
+
+def overlong_penalty(n_tokens: torch.Tensor, max_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) scaled by `penalty`, added to the reward: 0 up to
+    max_tokens - buffer tokens, then linear down to -penalty at max_tokens: (B,) response lengths -> (B,)."""
+    return -penalty * ((n_tokens - (max_tokens - buffer)) / buffer).clamp(0, 1)
 
 
 def compute_k3_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
@@ -298,34 +327,31 @@ def grpo_microbatch_train_step(
     So the microbatches' losses and gradients sum to the batch's, however it was split or padded. By default
     N = B * gradient_accumulation_steps, n_batch_tokens = this microbatch's tokens * gradient_accumulation_steps."""
     per_token_loss, metadata = compute_policy_gradient_loss(
-        policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
+        policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange, response_mask
     )
+    problems = [
+        (engine_log_probs is not None and old_log_probs is None, "engine_log_probs needs old_log_probs (pre-update)"),
+        (beta > 0 and ref_log_probs is None, "beta > 0 needs ref_log_probs"),
+        (loss_aggregation == "constant" and normalize_constant is None, "'constant' needs normalize_constant"),
+        (loss_aggregation not in LOSS_AGGREGATIONS, f"unknown loss_aggregation; choose from {LOSS_AGGREGATIONS}"),
+    ]
+    if bad := [message for is_bad, message in problems if is_bad]:
+        raise ValueError(bad[0])
     if engine_log_probs is not None:  # the mismatch, logged whether or not it is corrected
-        if old_log_probs is None:
-            raise ValueError("engine_log_probs needs old_log_probs (the trainer's, before this update)")
         metadata["engine_gap"] = (old_log_probs - engine_log_probs).abs()
         if is_cap is not None:
             metadata["above_is_cap"] = old_log_probs - engine_log_probs > math.log(is_cap)
             per_token_loss = per_token_loss * compute_truncated_is_weights(old_log_probs, engine_log_probs, is_cap)
     if beta > 0:
-        if ref_log_probs is None:
-            raise ValueError("beta > 0 needs ref_log_probs")
         kl = compute_k3_kl(policy_log_probs, ref_log_probs)  # (B, T)
         per_token_loss = per_token_loss + beta * kl
         metadata["kl"] = kl.detach()
     mask = response_mask.to(per_token_loss.dtype)
-    n_batch_sequences = n_batch_sequences or mask.shape[0] * gradient_accumulation_steps
-    n_batch_tokens = n_batch_tokens or mask.sum().item() * gradient_accumulation_steps
-    if loss_aggregation == "sequence_mean":
-        loss = masked_mean(per_token_loss, mask, dim=-1).sum() / n_batch_sequences
-    elif loss_aggregation == "token_mean":
-        loss = masked_normalize(per_token_loss, mask, n_batch_tokens)
-    elif loss_aggregation == "constant":
-        if normalize_constant is None:
-            raise ValueError("loss_aggregation 'constant' needs normalize_constant (e.g. max_tokens)")
-        loss = masked_normalize(per_token_loss, mask, n_batch_sequences * normalize_constant)
-    else:
-        raise ValueError(f"unknown loss_aggregation {loss_aggregation!r}; choose from {list(LOSS_AGGREGATIONS)}")
+    n_sequences = n_batch_sequences or mask.shape[0] * gradient_accumulation_steps
+    n_tokens = n_batch_tokens or mask.sum().item() * gradient_accumulation_steps
+    divisor = {"sequence_mean": mask.sum(-1, keepdim=True) * n_sequences, "token_mean": n_tokens,
+               "constant": n_sequences * (normalize_constant or 1)}[loss_aggregation]  # fmt: skip
+    loss = (per_token_loss * mask / divisor).sum()
     loss.backward()
     return loss.detach(), metadata
 
@@ -413,7 +439,7 @@ def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths:
     sums = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "positions": sum(lengths) + len(lengths)}
     # Old and reference log-probs: once per rollout batch, before the first optimizer step.  (n, T) each
     old_log_probs = ref_log_probs = None
-    if args.loss_type == "grpo_clip" and n_minibatches * args.epochs_per_rollout_batch > 1:
+    if args.loss_type in ("grpo_clip", "gspo", "cispo") and n_minibatches * args.epochs_per_rollout_batch > 1:
         old_log_probs = frozen_log_probs(policy, tensors, lengths, args.microbatch_size, args.temperature)
     if reference is not None:
         ref_log_probs = frozen_log_probs(reference, tensors, lengths, args.microbatch_size, args.temperature)
@@ -444,19 +470,19 @@ def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths:
                 add_masked_sums(sums, micro["response_mask"], entropy=out["token_entropy"], **metadata)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             update_loss, grad_norm = torch.stack([update_loss, grad_norm]).tolist()  # the update's one sync
-            if math.isfinite(update_loss) and math.isfinite(grad_norm):
+            finite = math.isfinite(update_loss) and math.isfinite(grad_norm)
+            n_bad_in_a_row = 0 if finite else n_bad_in_a_row + 1
+            if finite:
                 optimizer.step()
                 scheduler.step()
-                n_bad_in_a_row = 0
-                sums["loss"], sums["grad_norm"] = sums["loss"] + update_loss, sums["grad_norm"] + grad_norm
-                sums["updates"] += 1
+                sums.update(loss=sums["loss"] + update_loss, grad_norm=sums["grad_norm"] + grad_norm,
+                            updates=sums["updates"] + 1)  # fmt: skip
+            elif n_bad_in_a_row >= 3:
+                raise RuntimeError(f"{n_bad_in_a_row} non-finite updates in a row (step {step + 1}): stopping. "
+                                   "Check the rewards and the learning rate.")  # fmt: skip
             else:
-                n_bad_in_a_row += 1
                 warnings.warn(f"step {step + 1}: loss {update_loss} or gradient norm {grad_norm} is not finite; "
                               "update skipped", stacklevel=2)  # fmt: skip
-                if n_bad_in_a_row >= 3:
-                    raise RuntimeError(f"{n_bad_in_a_row} non-finite updates in a row (step {step + 1}): stopping. "
-                                       "Check the rewards and the learning rate.")  # fmt: skip
             optimizer.zero_grad(set_to_none=True)
     return sums, n_bad_in_a_row
 
@@ -470,7 +496,8 @@ def check_args(args: Args) -> None:
         (args.group_size < 2, f"group_size {args.group_size}: a group needs at least 2 responses for a baseline"),
         (args.rollout_batch_size % args.group_size, "rollout_batch_size is not a multiple of group_size"),
         (args.rollout_batch_size % args.train_batch_size, "rollout_batch_size is not a multiple of train_batch_size"),
-        (args.loss_type not in ("no_baseline", "reinforce_with_baseline", "grpo_clip"), "unknown loss_type"),
+        (args.loss_type not in LOSS_TYPES, f"unknown loss_type; choose from {', '.join(LOSS_TYPES)}"),
+        (not 0 <= args.overlong_buffer <= args.max_tokens, "overlong_buffer must be in [0, max_tokens]"),
         (args.loss_aggregation not in LOSS_AGGREGATIONS, f"unknown loss_aggregation; choose from {LOSS_AGGREGATIONS}"),
         (args.lr_schedule not in ("constant", "cosine"), "unknown lr_schedule; choose from constant, cosine"),
         (args.temperature <= 0, "temperature must be > 0: GRPO needs several different responses per question"),
@@ -481,17 +508,15 @@ def check_args(args: Args) -> None:
 
 def write_rollouts(path: Path, step: int, examples, prompts, completions, rewards, advantages, trained, group_size):
     """One line per group in rollouts.jsonl: question, responses, rewards, advantages, which ones were trained on."""
-    records = []
-    for j, (ex, prompt) in enumerate(zip(examples, prompts, strict=True)):
-        group = range(j * group_size, (j + 1) * group_size)
-        records.append({"step": step, "dataset": ex["dataset"], "id": ex["id"], "answer": ex["answer"],
-                        "prompt": prompt, "responses": [completions[i].text for i in group],
-                        "rewards": [rewards[i].item() for i in group],
-                        "advantages": [advantages[i].item() for i in group],
-                        "n_tokens": [len(completions[i].token_ids) for i in group],
-                        "finish_reasons": [completions[i].finish_reason for i in group],
-                        "trained": [i in trained for i in group]})  # fmt: skip
-    append_jsonl(path, records)
+    groups = [range(j * group_size, (j + 1) * group_size) for j in range(len(examples))]
+    append_jsonl(path, [{"step": step, "dataset": ex["dataset"], "id": ex["id"], "answer": ex["answer"],
+                         "prompt": prompt, "responses": [completions[i].text for i in group],
+                         "rewards": [rewards[i].item() for i in group],
+                         "advantages": [advantages[i].item() for i in group],
+                         "n_tokens": [len(completions[i].token_ids) for i in group],
+                         "finish_reasons": [completions[i].finish_reason for i in group],
+                         "trained": [i in trained for i in group]}
+                        for ex, prompt, group in zip(examples, prompts, groups, strict=True)])  # fmt: skip
 
 
 # train/<name>: the per-token means of the update's sums (grpo_microbatch_train_step's metadata, where it has them)
@@ -836,7 +861,12 @@ def main(args: Args) -> Path:
         t0 = time.time()
         ground_truths = [ex for ex in examples for _ in range(args.group_size)]
         # One batch through score_batch (code examples run their programs in a pool), handed out in order.
-        scores = iter(verifiers.score_batch([c.text for c in completions], ground_truths))
+        scores = verifiers.score_batch([c.text for c in completions], ground_truths)
+        if args.overlong_buffer:  # DAPO's soft overlong penalty, part of the reward (and of rollout/reward_mean)
+            n_tokens = torch.tensor([len(c.token_ids) for c in completions])
+            pens = overlong_penalty(n_tokens, args.max_tokens, args.overlong_buffer, args.overlong_penalty).tolist()
+            scores = [{**score, "reward": score["reward"] + pen} for score, pen in zip(scores, pens, strict=True)]
+        scores = iter(scores)
         advantages, raw_rewards, reward_metadata = compute_group_normalized_rewards(
             lambda response, example: next(scores),  # noqa: B023 (called here, in this step)
             [c.text for c in completions], ground_truths, args.group_size, args.advantage_eps,

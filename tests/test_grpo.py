@@ -159,6 +159,56 @@ def test_policy_gradient_loss_dispatch():
         compute_policy_gradient_loss(log_probs, "ppo", advantages=advantages)
 
 
+def test_gspo_loss_by_hand():
+    # Response 0: log p - log p_old = [ln 2, 0] over 2 tokens: s = exp(ln 2 / 2) = sqrt 2 = 1.41421; A = 1.
+    # Response 1: [ln 1/2] over 1 token (then padding, left out of the mean): s = 1/2; A = -1.
+    # Range 0.2: both clipped (sqrt 2 > 1.2, A > 0: -1.2; 1/2 < 0.8, A < 0: -min(-0.5, -0.8) = 0.8), no gradient.
+    # Range 10: unclipped, -s A on every token of the response; d/d log p_t = -A s / |o_i| = -0.70711 (row 0), and
+    # 1/2 / 1 = 0.5 (row 1), 0 on the padding.
+    old = torch.zeros(2, 2)
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
+    advantages = torch.tensor([[1.0], [-1.0]])
+    for cliprange, loss_0, loss_1, grad in [
+        (0.2, -1.2, 0.8, [[0.0, 0.0], [0.0, 0.0]]),
+        (10.0, -math.sqrt(2), 0.5, [[-math.sqrt(2) / 2] * 2, [0.5, 0.0]]),
+    ]:  # fmt: skip
+        log_probs = torch.tensor([[math.log(2), 0.0], [-math.log(2), 5.0]], requires_grad=True)
+        loss, meta = compute_policy_gradient_loss(log_probs, "gspo", advantages=advantages, old_log_probs=old,
+                                                  cliprange=cliprange, response_mask=mask)  # fmt: skip
+        assert loss.shape == (2, 2) and loss[:, 0].tolist() == pytest.approx([loss_0, loss_1])
+        assert meta["clipped"].all() == (cliprange == 0.2)
+        loss[:, 0].sum().backward()  # one loss per response: its first token's
+        assert [row == pytest.approx(g) for row, g in zip(log_probs.grad.tolist(), grad, strict=True)] == [True, True]
+    with pytest.raises(ValueError, match="needs response_mask"):
+        compute_policy_gradient_loss(old, "gspo", advantages=advantages, old_log_probs=old, cliprange=0.2)
+
+
+def test_cispo_loss_keeps_the_gradient_of_clipped_tokens():
+    # p / p_old = [0.5 / 0.25, 0.5 / 0.5] = [2, 1]; range (1, 0.28): weights [1.28, 1] (detached); A = 2.
+    # loss = -w A log p = [-1.28 * 2 * ln 0.5, -2 ln 0.5] = [1.77446, 1.38629]; d/d log p = -w A = [-2.56, -2].
+    # grpo_clip on the same tokens: the first is clipped (r = 2 > 1.28, A > 0): gradient 0 there.
+    old = torch.tensor([[math.log(0.25), math.log(0.5)]])
+    advantages = torch.tensor([[2.0]])
+    grads = {}
+    for loss_type in ("cispo", "grpo_clip"):
+        log_probs = torch.full((1, 2), math.log(0.5), requires_grad=True)
+        loss, meta = compute_policy_gradient_loss(log_probs, loss_type, advantages=advantages, old_log_probs=old,
+                                                  cliprange=(1.0, 0.28))  # fmt: skip
+        loss.sum().backward()
+        grads[loss_type] = log_probs.grad.tolist()[0]
+        assert meta["clipped"].tolist() == [[True, False]]
+        if loss_type == "cispo":
+            assert loss.tolist()[0] == pytest.approx([1.28 * 2 * math.log(2), 2 * math.log(2)])
+    assert grads["cispo"] == pytest.approx([-2.56, -2.0])
+    assert grads["grpo_clip"] == pytest.approx([0.0, -2.0])  # -A r = -2 * 1 on the unclipped token
+
+
+def test_overlong_penalty_by_hand():
+    # max 10 tokens, buffer 4, penalty 0.5: free up to 6 tokens, then -0.5 (n - 6) / 4: 8 -> -0.25, 10 -> -0.5.
+    n_tokens = torch.tensor([5, 6, 7, 8, 10])
+    assert grpo.overlong_penalty(n_tokens, 10, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
+
+
 def test_masked_mean_by_hand():
     tensor = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1, 1, 0], [0, 0, 1]])
@@ -399,6 +449,7 @@ def test_questions_of_a_step():
         ({"train_batch_size": 96}, "multiple of train_batch_size"),
         ({"loss_type": "ppo"}, "unknown loss_type"),
         ({"loss_aggregation": "sum"}, "unknown loss_aggregation"),
+        ({"overlong_buffer": 2048}, "overlong_buffer"),
         ({"temperature": 0.0}, "temperature"),
         ({"lr_schedule": "linear"}, "unknown lr_schedule"),
     ],
