@@ -16,7 +16,7 @@ that is random derives from (seed, step): --resume replays a stopped run.
 
 Deliberate simplifications:
 1. One trainer process, no data or model parallelism; generation and training take turns (no asynchronous rollouts).
-2. Zero-variance groups are dropped, not replaced by new samples (DAPO's dynamic sampling): the batch gets smaller.
+2. Zero-variance groups are dropped: the batch gets smaller, unless --dynamic-sampling draws more (DAPO).
 3. The reward is the verifier's: 1 for a right answer, else 0; no format bonus; a length penalty only on request.
 4. The KL penalty is in the loss (k3, per token), never in the reward, and is off by default (beta = 0), as in TRL.
 5. The engine/trainer mismatch is corrected per token (truncated at 2, verl's choice), not by masking sequences.
@@ -111,6 +111,8 @@ class Args:
     drop_zero_variance_groups: bool = True  # leave out groups with no gradient (groups_with_signal)
     overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last this many tokens of --max-tokens; 0: off
     overlong_penalty: float = 1.0  # the reward's penalty at --max-tokens tokens (overlong_penalty)
+    dynamic_sampling: bool = False  # DAPO: draw more questions until the step has enough groups with a reward signal
+    max_draws: int = 4  # with --dynamic-sampling, at most this many draws of rollout_batch_size responses per step
     mask_truncated: bool = False  # leave responses cut off at --max-tokens out of the loss (DAPO's overlong filtering)
     vllm_importance_sampling_cap: float | None = 2.0  # truncated IS of the engine's numerics; None: off
 
@@ -498,12 +500,26 @@ def check_args(args: Args) -> None:
         (args.rollout_batch_size % args.train_batch_size, "rollout_batch_size is not a multiple of train_batch_size"),
         (args.loss_type not in LOSS_TYPES, f"unknown loss_type; choose from {', '.join(LOSS_TYPES)}"),
         (not 0 <= args.overlong_buffer <= args.max_tokens, "overlong_buffer must be in [0, max_tokens]"),
+        (args.dynamic_sampling and not args.drop_zero_variance_groups, "dynamic_sampling drops zero-variance groups"),
+        (args.max_draws < 1, "max_draws must be at least 1"),
         (args.loss_aggregation not in LOSS_AGGREGATIONS, f"unknown loss_aggregation; choose from {LOSS_AGGREGATIONS}"),
         (args.lr_schedule not in ("constant", "cosine"), "unknown lr_schedule; choose from constant, cosine"),
         (args.temperature <= 0, "temperature must be > 0: GRPO needs several different responses per question"),
     ]
     if bad := [message for is_bad, message in problems if is_bad]:
         raise ValueError(bad[0])
+
+
+def score_responses(completions: list, examples: list[dict], args: Args) -> list[dict]:
+    """The verifier's reward dicts of group_size responses per example, in one score_batch (code runs its programs in
+    a pool); with --overlong-buffer, DAPO's soft overlong penalty added to each reward (and to rollout/reward_mean)."""
+    ground_truths = [ex for ex in examples for _ in range(args.group_size)]
+    scores = verifiers.score_batch([c.text for c in completions], ground_truths)
+    if not args.overlong_buffer:
+        return scores
+    n_tokens = torch.tensor([len(c.token_ids) for c in completions])
+    pens = overlong_penalty(n_tokens, args.max_tokens, args.overlong_buffer, args.overlong_penalty).tolist()
+    return [{**score, "reward": score["reward"] + pen} for score, pen in zip(scores, pens, strict=True)]
 
 
 def write_rollouts(path: Path, step: int, examples, prompts, completions, rewards, advantages, trained, group_size):
@@ -545,9 +561,7 @@ def step_metrics(reward_metadata: dict, completions: list, n_trained: int, sums:
         metrics["train/loss"] = sums["loss"] / sums["updates"]  # ~0 on-policy while the gradient is not
         metrics["train/grad_norm"] = sums["grad_norm"] / sums["updates"]
         metrics["train/tokens_per_second"] = sums["positions"] * args.epochs_per_rollout_batch / extra["time/train"]
-        metrics.update(
-            {f"train/{name}": sums[k] / max(sums["tokens"], 1) for k, name in TOKEN_MEANS.items() if k in sums}
-        )
+        metrics.update({f"train/{v}": sums[k] / max(sums["tokens"], 1) for k, v in TOKEN_MEANS.items() if k in sums})
     return metrics
 
 
@@ -844,39 +858,45 @@ def main(args: Args) -> Path:
     n_bad_in_a_row = 0
     for step in range(start_step, args.n_grpo_steps):
         t_step = time.time()
-        # --- 1. Generate: group_size responses to each of the step's questions ---
-        examples, seeds = task.questions(n_prompts, args.group_size, args.seed, step)
-        prompts = [task.prompt(ex) for ex in examples]
-        params = [SamplingParams(**sampling, stop=task.stop(ex), seed=s) for ex, s in zip(examples, seeds, strict=True)]
-        with engine_device(vllm_device):
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-        # Flattened, group by group: responses j * G ... j * G + G - 1 answer question j.  (B,) lists, B = n_prompts G
+        # --- 1. Generate and score: group_size responses to each of the step's questions; --dynamic-sampling draws
+        # more questions until n_prompts groups have a reward signal (DAPO), at most --max-draws times ---
+        examples, prompts, outputs, scores, t_score = [], [], [], [], 0.0
+        for draw in range(args.max_draws if args.dynamic_sampling else 1):
+            # draw d derives from (seed + d * 1_000_003, step): --resume replays it; a curriculum asks its own again
+            drawn, seeds = task.questions(n_prompts, args.group_size, args.seed + draw * 1_000_003, step)
+            examples, prompts = examples + drawn, prompts + [task.prompt(ex) for ex in drawn]
+            params = [SamplingParams(**sampling, stop=task.stop(e), seed=s) for e, s in zip(drawn, seeds, strict=True)]
+            with engine_device(vllm_device):
+                outputs += llm.generate(prompts[-n_prompts:], params, use_tqdm=False)
+            t0 = time.time()
+            scores += score_responses([c for output in outputs[-n_prompts:] for c in output.outputs], drawn, args)
+            t_score += time.time() - t0
+            rewards = torch.tensor([score["reward"] for score in scores])
+            if groups_with_signal(rewards, args.group_size, args.loss_type).sum() >= n_prompts:
+                break
+        # Flattened, group by group: responses j * G ... j * G + G - 1 answer question j.  (B,) lists, B = n_groups G
         completions = [c for output in outputs for c in output.outputs]
         prompt_ids = [list(output.prompt_token_ids) for output in outputs for _ in output.outputs]
         # log p_engine of each sampled token, after temperature (init_vllm asks for "processed_logprobs")
         engine_lps = [[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)] for c in completions]
-        t_generate = time.time() - t_step
+        t_generate = time.time() - t_step - t_score
 
-        # --- 2. Score, and advantages within each group ---
+        # --- 2. Advantages within each group ---
         t0 = time.time()
         ground_truths = [ex for ex in examples for _ in range(args.group_size)]
-        # One batch through score_batch (code examples run their programs in a pool), handed out in order.
-        scores = verifiers.score_batch([c.text for c in completions], ground_truths)
-        if args.overlong_buffer:  # DAPO's soft overlong penalty, part of the reward (and of rollout/reward_mean)
-            n_tokens = torch.tensor([len(c.token_ids) for c in completions])
-            pens = overlong_penalty(n_tokens, args.max_tokens, args.overlong_buffer, args.overlong_penalty).tolist()
-            scores = [{**score, "reward": score["reward"] + pen} for score, pen in zip(scores, pens, strict=True)]
         scores = iter(scores)
         advantages, raw_rewards, reward_metadata = compute_group_normalized_rewards(
             lambda response, example: next(scores),  # noqa: B023 (called here, in this step)
             [c.text for c in completions], ground_truths, args.group_size, args.advantage_eps,
             args.normalize_by_std,
         )  # fmt: skip
-        has_signal = groups_with_signal(raw_rewards, args.group_size, args.loss_type)  # (n_prompts,)
+        has_signal = groups_with_signal(raw_rewards, args.group_size, args.loss_type)  # (n_groups,)
+        if args.dynamic_sampling:  # DAPO: the first n_prompts groups with a signal fill the batch, the rest wait
+            has_signal &= has_signal.cumsum(0) <= n_prompts
         rows = [i for i, c in enumerate(completions)  # the responses trained on
                 if (has_signal[i // args.group_size] or not args.drop_zero_variance_groups)
                 and not (args.mask_truncated and c.finish_reason == "length")]  # fmt: skip
-        t_score = time.time() - t0
+        t_score += time.time() - t0
         write_rollouts(run_dir / "rollouts.jsonl", step + 1, examples, prompts, completions, raw_rewards, advantages,
                        set(rows), args.group_size)  # fmt: skip
 
@@ -901,6 +921,7 @@ def main(args: Args) -> Path:
         # --- 5. Log, evaluate, save ---
         step_done = step + 1
         extra = {"train/lr": scheduler.get_last_lr()[0], "reload/logprob_gap": gap, "time/generate": t_generate,
+                 "rollout/n_draws": len(outputs) // n_prompts,
                  "time/score": t_score, "time/train": t_train, "time/reload": t_reload}  # fmt: skip
         metrics = step_metrics(reward_metadata, completions, len(rows), sums, extra, args)
         metrics.update(task.rollout_metrics(examples, raw_rewards.view(-1, args.group_size).tolist()))

@@ -450,6 +450,7 @@ def test_questions_of_a_step():
         ({"loss_type": "ppo"}, "unknown loss_type"),
         ({"loss_aggregation": "sum"}, "unknown loss_aggregation"),
         ({"overlong_buffer": 2048}, "overlong_buffer"),
+        ({"dynamic_sampling": True, "drop_zero_variance_groups": False}, "drops zero-variance groups"),
         ({"temperature": 0.0}, "temperature"),
         ({"lr_schedule": "linear"}, "unknown lr_schedule"),
     ],
@@ -679,6 +680,32 @@ def test_resume_ends_where_an_uninterrupted_run_does(tiny_model_dir, tmp_path, m
     assert logged(resumed) == logged(full)  # one record per step, no leftovers of the stopped step 2
     last = read_jsonl(full / "metrics.jsonl")[-1]
     assert last["train/n_updates"] == 4 and last["train/kl"] > 0  # 2 epochs x 2 minibatches; the policy has moved
+
+
+@pytest.mark.usefixtures("small_train_split")
+def test_dynamic_sampling_fills_the_batch_with_signal_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
+    # Only the questions with an even id digit sum carry a signal (letter_reward); the others score 0 throughout. A
+    # draw of 4 questions holds ~2 such groups: the step draws again until 4 groups have a signal, at most 4 times.
+    signal, zero = lambda example: sum(map(ord, str(example["id"]))) % 2 == 0, {"reward": 0.0, "format_reward": 0.0}
+    monkeypatch.setattr(grpo.verifiers, "score", lambda r, ex: letter_reward(r, ex) if signal(ex) else zero)
+    kwargs = dict(n_grpo_steps=2, save_every=1, dynamic_sampling=True, max_draws=4)
+    full = grpo.main(tiny_args(tiny_model_dir, tmp_path / "full", **kwargs))
+    rollouts, metrics = read_jsonl(full / "rollouts.jsonl"), read_jsonl(full / "metrics.jsonl")[1:]
+    for m in metrics:
+        groups = [g for g in rollouts if g["step"] == m["step"]]
+        assert len(groups) == 4 * m["rollout/n_draws"]  # whole draws of 4 questions
+        trained = [any(g["trained"]) for g in groups]
+        with_signal = [len(set(g["rewards"])) > 1 for g in groups]
+        assert trained == [s and sum(with_signal[: i + 1]) <= 4 for i, s in enumerate(with_signal)]  # the first 4
+        assert sum(trained) == 4 or m["rollout/n_draws"] == 4
+    assert max(m["rollout/n_draws"] for m in metrics) > 1
+
+    # Stopped during step 2 and resumed: the same draws (from seed, step and the draw's index), the same samples.
+    with interrupted_at_call(grpo, "reload_and_check", 3):
+        grpo.main(tiny_args(tiny_model_dir, tmp_path / "stopped", **kwargs))
+    (stopped,) = (tmp_path / "stopped").iterdir()
+    resumed = grpo.main(tiny_args(tiny_model_dir, tmp_path / "stopped", resume=str(stopped), **kwargs))
+    assert read_jsonl(resumed / "rollouts.jsonl") == rollouts
 
 
 @pytest.mark.usefixtures("small_train_split")
