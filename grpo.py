@@ -109,10 +109,10 @@ class Args:
     clip_high: float = 0.2  # the ratio is clipped above at 1 + clip_high (grpo_clip); DAPO's clip-higher uses 0.28
     beta: float = 0.0  # weight of the k3 KL to the starting model; 0: no reference loaded
     drop_zero_variance_groups: bool = True  # leave out groups with no gradient (groups_with_signal)
-    overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last this many tokens of --max-tokens; 0: off
+    overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last this many tokens; 0: off
     overlong_penalty: float = 1.0  # the reward's penalty at --max-tokens tokens (overlong_penalty)
-    dynamic_sampling: bool = False  # DAPO: draw more questions until the step has enough groups with a reward signal
-    max_draws: int = 4  # with --dynamic-sampling, at most this many draws of rollout_batch_size responses per step
+    dynamic_sampling: bool = False  # DAPO: draw more questions until enough groups have a signal
+    max_draws: int = 4  # with --dynamic-sampling: draws per step, at most
     mask_truncated: bool = False  # leave responses cut off at --max-tokens out of the loss (DAPO's overlong filtering)
     vllm_importance_sampling_cap: float | None = 2.0  # truncated IS of the engine's numerics; None: off
 
@@ -250,14 +250,10 @@ def compute_policy_gradient_loss(
     advantages: torch.Tensor | None = None, old_log_probs: torch.Tensor | None = None,
     cliprange: float | tuple[float, float] | None = None, response_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
-    """Per-token loss (B, T) and metadata: no_baseline -r log p, reinforce_with_baseline -A log p, grpo_clip, and:
-    gspo   (Zheng et al. 2025) one ratio per response, s_i = exp(mean_t (log p - log p_old)) over its tokens (the
-           geometric mean of the token ratios), clipped per response as grpo_clip clips r_t, the same loss on each of
-           its tokens; the gradient flows through the mean. The paper's range is tiny (--clip-low 3e-4 --clip-high
-           4e-4): a sequence's ratio moves far less than a token's.
-    cispo  (MiniMax-M1, 2025) -sg(clip(r_t, 1 - low, 1 + high)) A log p: the clipped ratio, detached, only weighs the
-           REINFORCE term, so every token keeps a gradient (grpo_clip zeroes the clipped ones). MiniMax-M1 bounds
-           only above: --clip-low 1 (r > 0 anyway)."""
+    """Per-token loss (B, T) and metadata: no_baseline -r log p, reinforce_with_baseline -A log p, grpo_clip, and
+    (docs/grpo_family.md) gspo: grpo_clip's surrogate of s_i = exp(mean_t (log p - log p_old)), one ratio per response
+    (Zheng et al. 2025; its range is tiny: --clip-low 3e-4 --clip-high 4e-4), on each of its tokens; cispo: the
+    clipped ratio, detached, weighs -A log p, so every token keeps a gradient (MiniMax-M1: --clip-low 1)."""
     given = {"raw_rewards": raw_rewards, "advantages": advantages, "old_log_probs": old_log_probs,
              "cliprange": cliprange, "response_mask": response_mask}  # fmt: skip
     if loss_type not in LOSS_TYPES:
@@ -511,8 +507,7 @@ def check_args(args: Args) -> None:
 
 
 def score_responses(completions: list, examples: list[dict], args: Args) -> list[dict]:
-    """The verifier's reward dicts of group_size responses per example, in one score_batch (code runs its programs in
-    a pool); with --overlong-buffer, DAPO's soft overlong penalty added to each reward (and to rollout/reward_mean)."""
+    """The verifier's reward dicts of group_size responses per example (one score_batch), with the overlong penalty."""
     ground_truths = [ex for ex in examples for _ in range(args.group_size)]
     scores = verifiers.score_batch([c.text for c in completions], ground_truths)
     if not args.overlong_buffer:
@@ -891,7 +886,7 @@ def main(args: Args) -> Path:
             args.normalize_by_std,
         )  # fmt: skip
         has_signal = groups_with_signal(raw_rewards, args.group_size, args.loss_type)  # (n_groups,)
-        if args.dynamic_sampling:  # DAPO: the first n_prompts groups with a signal fill the batch, the rest wait
+        if args.dynamic_sampling:  # DAPO: the first n_prompts groups with a signal fill the batch
             has_signal &= has_signal.cumsum(0) <= n_prompts
         rows = [i for i, c in enumerate(completions)  # the responses trained on
                 if (has_signal[i // args.group_size] or not args.drop_zero_variance_groups)
