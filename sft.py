@@ -3,7 +3,7 @@
 SFT is maximum likelihood on (prompt, response) pairs: minimise the negative log-probability of each response token
 (its EOS included) given the prompt and the tokens before it. The responses are worked solutions (a dataset's own, or
 a stronger model's traces in a JSONL file): a base model learns the answer format and a way of reasoning, and
-expert_iter.py and grpo.py start from its checkpoint. Evaluation runs on a vLLM engine that reloads the weights.
+expert_iter.py and grpo.py start from its checkpoint. With the engine on its own GPU, training goes on while it evaluates.
 
 Deliberate simplifications:
 1. One trainer process, no data or model parallelism: a 1.7B model in fp32 with AdamW fits one 80 GB GPU.
@@ -20,12 +20,14 @@ Usage:
 """
 
 import contextlib
+import copy
 import json
 import math
 import os
 import shutil
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -80,6 +82,7 @@ class Args:
     eval_split: str = "val"  # val (or test where there is none) | test
     n_eval: int = 256  # problems evaluated per dataset, greedy, from the start of its eval split
     eval_every: int = 50  # evaluate every this many optimizer steps (and at the start and the end)
+    eval_in_background: bool | None = None  # train on while the engine evaluates; None: when it has its own device
     eval_max_tokens: int = 512  # max new tokens per evaluation response
     n_log_generations: int = 4  # evaluation responses to generations.jsonl
     save_every: int = 100  # checkpoint every this many optimizer steps (and at the end)
@@ -382,9 +385,6 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    if len(checkpoints(run_dir)) == 1:
-        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e9
-        print(f"checkpoint {final}: {size:.3g} GB; the newest {keep or 'all'} are kept (--keep-checkpoints)")
     for old in checkpoints(run_dir)[:-keep] if keep else []:
         shutil.rmtree(old)
 
@@ -429,6 +429,16 @@ def make_logger(run_dir: Path, args):
     return log
 
 
+# --- PLUMBING: evaluating while training goes on (sft.py's own) ---
+
+
+def reload_and_evaluate(policy, llm: LLM, tokenizer, task, args, devices, run_dir, step, probe_prompts, reload_tol):
+    """Load the policy into the engine, check that it follows, evaluate: (metrics, step). In the background, policy is
+    a frozen copy of step's weights (one more policy in memory: 6.8 GB for Qwen3-1.7B in fp32)."""
+    gap = reload_and_check(policy, llm, probe_prompts, devices[1], reload_tol)
+    return {**evaluate(llm, policy, tokenizer, task, args, devices, run_dir, step), "reload/logprob_gap": gap}, step
+
+
 def main(args: Args) -> Path:
     args = restore_args(args)  # --resume: the stopped run's arguments
     task = data.load_task(args, train=False)  # a bad spec stops here, before the engine starts
@@ -459,10 +469,23 @@ def main(args: Args) -> Path:
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(args.warmup_ratio * n_steps), n_steps)
     start_step = resume_from(run_dir, optimizer, scheduler)
     log = make_logger(run_dir, args)
-    gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)  # the engine follows from step 0 on
-    devices = (policy_device, vllm_device)
+    devices, evaluator, evaluation = (policy_device, vllm_device), ThreadPoolExecutor(max_workers=1), None
+    background = vllm_device != policy_device if args.eval_in_background is None else args.eval_in_background
+
+    def start_evaluation(step: int):  # returns the evaluation left in flight: in the background, this one
+        if evaluation:  # the engine keeps step s's weights until its evaluation is done
+            log(*evaluation.result())
+        snapshot = copy.deepcopy(policy) if background else policy
+        future = evaluator.submit(reload_and_evaluate, snapshot, llm, tokenizer, task, args, devices, run_dir, step,
+                                  probe_prompts, reload_tol)  # fmt: skip
+        if background:
+            return future
+        log(*future.result())
+
     if start_step == 0:
-        log({**evaluate(llm, policy, tokenizer, task, args, devices, run_dir, 0), "reload/logprob_gap": gap}, 0)
+        evaluation = start_evaluation(0)
+    else:
+        reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)  # the engine follows the checkpoint
 
     # --- ALGORITHM: one optimizer step per batch of `batch_size` examples ---
     for step in range(start_step, n_steps):
@@ -483,13 +506,13 @@ def main(args: Args) -> Path:
         }
         print(f"step {step_done:5d}/{n_steps} | loss {out['loss']:.4f} | grad norm {grad_norm:.3f} | "
               f"lr {metrics['train/lr']:.2e} | {metrics['time/step']:.2f} s")  # fmt: skip
-        if step_done % args.eval_every == 0 or step_done == n_steps:
-            gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)
-            metrics.update({**evaluate(llm, policy, tokenizer, task, args, devices, run_dir, step_done),
-                            "reload/logprob_gap": gap})  # fmt: skip
         log(metrics, step_done)
+        if step_done % args.eval_every == 0 or step_done == n_steps:
+            evaluation = start_evaluation(step_done)
         if step_done % args.save_every == 0 or step_done == n_steps:
             save_checkpoint(run_dir, step_done, policy, tokenizer, optimizer, scheduler, args.keep_checkpoints)
+    if evaluation:
+        log(*evaluation.result())
     return run_dir
 
 
