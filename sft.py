@@ -3,7 +3,7 @@
 SFT is maximum likelihood on (prompt, response) pairs: minimise the negative log-probability of each response token
 (its EOS included) given the prompt and the tokens before it. The responses are worked solutions (a dataset's own, or
 a stronger model's traces in a JSONL file): a base model learns the answer format and a way of reasoning, and
-expert_iter.py and grpo.py start from its checkpoint. With the engine on its own GPU, training goes on while it evaluates.
+expert_iter.py and grpo.py start from its checkpoint. An engine on its own GPU evaluates while training goes on.
 
 Deliberate simplifications:
 1. One trainer process, no data or model parallelism: a 1.7B model in fp32 with AdamW fits one 80 GB GPU.
@@ -451,10 +451,8 @@ def main(args: Args) -> Path:
     policy_device, vllm_device, memory_fraction, reload_tol = resolve_devices(args)
     model_path = str(checkpoints(run_dir)[-1]) if checkpoints(run_dir) else args.model
     print(f"run folder {run_dir}; trainer on {policy_device}, vLLM on {vllm_device}; starting from {model_path}")
-    # The engine's context must hold an evaluation prompt and its response, and the 400-token reload probes.
-    llm = init_vllm(
-        model_path, vllm_device, args.seed, memory_fraction, max(args.max_seq_len, 512) + args.eval_max_tokens
-    )
+    max_model_len = max(args.max_seq_len, 512) + args.eval_max_tokens  # an eval prompt + response; the 400-token probes
+    llm = init_vllm(model_path, vllm_device, args.seed, memory_fraction, max_model_len)
     task.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
     policy, autocast = load_policy(model_path, policy_device, args.gradient_checkpointing, args.seed)
 
