@@ -1032,12 +1032,23 @@ def eval_metrics(records: list[dict]) -> dict:
 # --- SFT pairs: (prompt, response) from a JSONL file or from the datasets' worked solutions ---
 
 
+VERIFIER_FIELDS = ("answer", "verifier", "tests", "code_prompt", "completion_stop")  # what verifiers.score reads
+
+
+def sft_row(prompt: str, response: str, example: dict) -> dict:
+    """One --sft-file row: the pair, and what verifiers.score needs to check it again (sft.py --filter-correct)."""
+    return {"dataset": example["dataset"], "id": example["id"], "prompt": prompt, "response": response,
+            **{key: example[key] for key in VERIFIER_FIELDS if key in example}}  # fmt: skip
+
+
 def read_sft_file(path: str, fields: tuple[str, ...] = ("prompt", "response")) -> list[dict]:
     """Rows of {"prompt", "response"} (optionally "answer", "verifier"); a bad row names its file, line and field."""
     rows = []
     for where, row in _read_jsonl(Path(path)):
         for key in fields:  # an answer may be a dict (IFEval's instructions): only prompt and response are text
             _field(row, key, where, str if key in ("prompt", "response") else object)
+        if "verifier" in fields and row["verifier"] == "code":
+            _field(row, "tests", where)  # a program is checked by running its tests
         rows.append(row)
     return rows
 

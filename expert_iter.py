@@ -521,11 +521,8 @@ def main(args: Args) -> Path:
         scores = [[next(flat) for _ in group] for group in responses]  # (Q, G) reward dicts
         rewards = [[s["reward"] for s in group] for group in scores]  # (Q, G)
         kept = select_correct(examples, prompts, responses, rewards)
-        append_jsonl(run_dir / "kept.jsonl", [
-            {"step": step_done, "dataset": p["example"]["dataset"], "id": p["example"]["id"], "prompt": p["prompt"],
-             "response": p["response"], "answer": p["example"]["answer"], "verifier": p["example"]["verifier"]}
-            for p in kept
-        ])  # fmt: skip
+        rows = [{"step": step_done, **data.sft_row(p["prompt"], p["response"], p["example"])} for p in kept]
+        append_jsonl(run_dir / "kept.jsonl", rows)  # an sft.py --sft-file
         # Lengths as generated (EOS excluded), looked up by question and text.
         n_tokens = {(examples[q]["id"], c.text): len(c.token_ids) for q, group in enumerate(completions) for c in group}
         kept_lengths = [n_tokens[p["example"]["id"], p["response"]] for p in kept]

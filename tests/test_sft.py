@@ -235,6 +235,23 @@ def test_filter_correct_reads_an_ifeval_row_of_kept_jsonl(tiny_model_dir, tmp_pa
     assert [p["prompt"] for p in first_batch(args, monkeypatch)] == [row["prompt"]]
 
 
+def test_filter_correct_runs_the_tests_of_a_code_row(tiny_model_dir, tmp_path, monkeypatch):
+    # A code row (data.sft_row of an MBPP example, as kept.jsonl and eval.py --save-sft-pairs write it) carries its
+    # tests: --filter-correct runs them in the sandbox and keeps the program that passes.
+    example = {"dataset": "mbpp", "id": "mbpp/1", "answer": "", "verifier": "code", "tests": "assert add(2, 3) == 5"}
+    rows = [data.sft_row(f"Write add ({op}).", f"```python\ndef add(a, b):\n    return a {op} b\n```\n[DONE]", example)
+            for op in ("+", "-")]  # fmt: skip
+    sft_file = tmp_path / "kept.jsonl"
+    sft_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = sft.Args(model=str(tiny_model_dir), dataset="synthetic", sft_file=str(sft_file), filter_correct=True,
+                    batch_size=1, output_dir=str(tmp_path / "runs"))  # fmt: skip
+    assert [p["prompt"] for p in first_batch(args, monkeypatch)] == ["Write add (+)."]
+    del rows[1]["tests"]  # without its tests a program cannot be checked: the error names file, line and field
+    sft_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(data.DataError, match=re.escape(f"{sft_file}, line 2: missing field 'tests'")):
+        sft.main(args)
+
+
 # --- whole runs on the tiny model, real vLLM engine on the CPU ---
 
 
