@@ -90,7 +90,7 @@ class Args:
     reload_tol: float | None = None  # max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16
 
 
-# --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py and grpo.py) ---
+# --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], tokenizer) -> dict[str, torch.Tensor]:
@@ -184,7 +184,7 @@ def sft_batch_train_step(
     return {**result, "entropy_sum": entropy_sum} if entropy else result
 
 
-# --- PLUMBING: the vLLM engine and its weight reloads (same in sft.py, expert_iter.py and grpo.py) ---
+# --- PLUMBING: the vLLM engine and its weight reloads (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def engine_device(device: str):
@@ -274,7 +274,7 @@ def reload_and_check(policy, llm: LLM, probe_prompts: list[list[int]], device: s
     return gap
 
 
-# --- PLUMBING: evaluation (same in sft.py, expert_iter.py and grpo.py) ---
+# --- PLUMBING: evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, devices: tuple[str, str], run_dir: Path, step: int):
@@ -315,7 +315,7 @@ def log_generations(policy, tokenizer, records: list[dict], policy_device: str) 
             "eval/sample_length_incorrect": lengths(False)}, out  # fmt: skip
 
 
-# --- PLUMBING: run folder, devices, policy, checkpoints, logging (same in sft.py, expert_iter.py and grpo.py) ---
+# --- PLUMBING: run folder, devices, policy, checkpoints, logs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {"resume", "output_dir", "track", "wandb_project", "policy_device", "vllm_device",
