@@ -1,29 +1,23 @@
 """On-policy distillation: the student samples through a vLLM engine, a teacher grades every sampled token, and the
 student takes a policy-gradient step toward the teacher on its own responses: grpo.py with another advantage.
 
-On-policy distillation (Agarwal et al. 2024, arXiv:2306.13649; Qwen3's small models; Thinking Machines, 2025) lowers
-the reverse KL(student p || teacher q) on the student's own samples. Each step:
+On-policy distillation (Agarwal et al. 2024, arXiv:2306.13649; Qwen3's small models) lowers the reverse
+KL(student p || teacher q) on the student's own samples. Each step:
   1. sample `rollout_batch_size / group_size` questions and let the engine write `group_size` responses to each;
-  2. the teacher scores every sampled token o_t: log q(o_t | prompt, o_<t), one forward pass per response;
-  3. per-token advantage A_t = -(log p(o_t) - log q(o_t)), detached: minus the sampled reverse-KL estimate (a token
-     the teacher likes more than the student is pushed up); --reward-weight w adds w times the verifier's reward,
-     normalised in its group (grpo.py's advantage), to every token of a response;
-  4. minimise -A_t log p(o_t), one mean over the batch's response tokens: as E_p[grad log p] = 0, its gradient is
-     the reverse KL's, E_p[(log p - log q) grad log p]; one optimizer step per rollout batch;
+  2. the teacher grades every sampled token o_t: log q(o_t | prompt, o_<t), one forward pass per response;
+  3. per-token advantage A_t = -(log p(o_t) - log q(o_t)), detached: minus the sampled reverse-KL estimate (what
+     the teacher likes more than the student is pushed up); --reward-weight w adds w x grpo.py's advantage;
+  4. minimise -A_t log p(o_t), one mean over the batch's tokens: as E_p[grad log p] = 0, its gradient is the
+     reverse KL's, E_p[(log p - log q) grad log p]; one optimizer step per rollout batch (no ratio, no clipping);
   5. copy the new weights into the engine and *prove* it now samples from them (reload_and_check).
 A grade per token instead of one reward per response, and no verifier needed: the teacher is the reward.
-
-Deliberate simplifications:
-1. One trainer process; generation and training take turns; the teacher runs beside the trainer (see main).
-2. One optimizer step per rollout batch: the samples are the current student's, so no ratio and no clipping.
-3. The KL is estimated on the sampled token at each position, not summed over the vocabulary.
-4. The teacher must share the student's tokenizer: a grade per token needs the same tokens.
+Deliberate simplifications: generation and training take turns; the KL is estimated on the sampled token, not over
+the vocabulary, and at each position alone (no credit to later tokens); the teacher must share the student's tokenizer.
 
 Usage:
     python distill.py --model runs/sft__1__<time>/checkpoints/step_000217 --teacher Qwen/Qwen3-8B   # 2 GPUs
     python distill.py --model ... --teacher ... --reward-weight 1.0      # the teacher's grades plus the verifier's
     python distill.py --resume runs/distill__1__1763800000             # continue a stopped run where it stopped
-  No GPU: `python ladder.py --distill` distills a teacher that carries right into the ladder's SFT checkpoint.
 """
 
 import contextlib
@@ -70,13 +64,10 @@ class Args:
     data_dir: str | None = None  # data root, one folder per dataset (../shared/data); None: the hub
     template: str = "r1_zero"  # r1_zero | question | chat (data.py)
     dataset_templates: list[str] = field(default_factory=list)  # e.g. ifeval=question: another template for a dataset
-
-    # --- generation ---
     n_distill_steps: int = 200  # steps; each one generates a rollout batch, trains on it and reloads the engine
     rollout_batch_size: int = 256  # responses per step: / group_size questions
     group_size: int = 4  # responses per question (at least 2 with --reward-weight: the group is the baseline)
     temperature: float = 1.0  # sampling temperature; student and teacher divide their logits by it alike
-    top_p: float = 1.0  # keep 1.0: the trainer scores untruncated (trl#6789)
     max_tokens: int = 1024  # max new tokens per response
 
     # --- optim ---
@@ -85,8 +76,6 @@ class Args:
     warmup_steps: int = 0  # steps over which the learning rate rises linearly from 0, then stays
     microbatch_size: int = 2  # examples per forward/backward pass (gradients accumulate)
     max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this
-
-    # --- distill ---
     reward_weight: float = 0.0  # w: add w x the verifier's group-normalised reward to every token's advantage
 
     # --- eval ---
@@ -169,8 +158,7 @@ def compute_distill_advantages(
     reward_weight: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
     """A_t = -(log p(o_t) - log q(o_t)) + reward_weight A_reward, detached: the sampled tokens' log-probs (B, T) under
-    the student p and the teacher q, reward_advantages (B,) -> (B, T). The first term is minus the reverse KL's
-    sampled estimate at each token."""
+    student p and teacher q, reward_advantages (B,) -> (B, T). The first term: minus the sampled reverse KL."""
     advantages = -(policy_log_probs - teacher_log_probs).detach()
     if reward_weight:
         advantages = advantages + reward_weight * reward_advantages.reshape(-1, 1)
@@ -181,9 +169,8 @@ def distill_microbatch_train_step(
     policy_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, response_mask: torch.Tensor,
     n_batch_tokens: int, reward_advantages: torch.Tensor | None = None, reward_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """This microbatch's share of the batch loss sum_t -A_t log p(o_t) / n_batch_tokens over its response tokens (one
-    mean over the whole batch's tokens, however it is split); calls backward(). Log-probs, response_mask (B, T).
-    Returns the loss (detached) and the per-token reverse-KL estimate log p - log q (B, T)."""
+    """This microbatch's share of the batch loss sum_t -A_t log p(o_t) / n_batch_tokens (one mean over the batch's
+    response tokens, however split); calls backward(). (B, T) in; the loss and log p - log q (B, T) out."""
     advantages = compute_distill_advantages(policy_log_probs, teacher_log_probs, reward_advantages, reward_weight)
     loss = masked_normalize(-advantages * policy_log_probs, response_mask, n_batch_tokens)
     loss.backward()
@@ -240,13 +227,10 @@ def update_student(policy, teacher, optimizer, scheduler, batch: dict, lengths: 
             reward_advantages[rows], args.reward_weight,
         )  # fmt: skip
         mask = micro["response_mask"]  # on the device: no host sync per microbatch
-        sums += torch.stack(
-            [loss, masked_normalize(reverse_kl, mask, 1.0), masked_normalize(out["token_entropy"], mask, 1.0)]
-        )
+        sums += torch.stack([loss, (reverse_kl * mask).sum(), (out["token_entropy"] * mask).sum()])
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
     loss, reverse_kl, entropy, grad_norm = torch.cat([sums, grad_norm.reshape(1)]).tolist()  # the update's one sync
-    updated = math.isfinite(loss) and math.isfinite(grad_norm)
-    if updated:
+    if updated := math.isfinite(loss) and math.isfinite(grad_norm):
         optimizer.step()
     else:
         warnings.warn(f"step {step + 1}: loss {loss} or gradient norm {grad_norm} is not finite; skipped", stacklevel=2)
@@ -256,7 +240,7 @@ def update_student(policy, teacher, optimizer, scheduler, batch: dict, lengths: 
             "rollout/reverse_kl": reverse_kl / n_tokens, "train/updated": updated}  # fmt: skip
 
 
-# --- PLUMBING: distill.py's bookkeeping (arguments, the teacher, rollouts.jsonl, metrics) ---
+# --- PLUMBING: distill.py's own (the arguments and the teacher, the held-out KL) ---
 
 
 def check_student_and_teacher(args: Args) -> None:
@@ -274,19 +258,16 @@ def check_student_and_teacher(args: Args) -> None:
 
 
 def held_out_reverse_kl(llm: LLM, policy, teacher, task: data.Task, args: Args, vllm_device: str) -> dict:
-    """The reverse KL(student || teacher) per token on the evaluation prompts: one response each, sampled as in
-    training (sampled, not greedy: an unbiased estimate), scored by both. The same seed at every evaluation: the
-    difference between two evaluations is the student's, not the sampler's."""
+    """Reverse KL(student || teacher) per token on the eval prompts: a response each, sampled as in training (an
+    unbiased estimate; greedy is not), graded by both; the same seed each time: a change is the student's."""
     examples = [ex for name in task.names for ex in task.evals[name]]
-    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.eval_max_tokens,
+    params = [SamplingParams(temperature=args.temperature, max_tokens=args.eval_max_tokens,
                              stop=task.stop(ex), include_stop_str_in_output=True, seed=args.seed)
               for ex in examples]  # fmt: skip
     with engine_device(vllm_device):
         outputs = llm.generate([task.prompt(ex) for ex in examples], params, use_tqdm=False)
-    prompt_ids, output_ids = (
-        [list(o.prompt_token_ids) for o in outputs],
-        [list(o.outputs[0].token_ids) for o in outputs],
-    )
+    prompt_ids = [list(o.prompt_token_ids) for o in outputs]
+    output_ids = [list(o.outputs[0].token_ids) for o in outputs]
     batch = collate_token_ids(prompt_ids, output_ids, 0)
     lengths = [len(p) + len(o) - 1 for p, o in zip(prompt_ids, output_ids, strict=True)]
     student = frozen_log_probs(policy, batch, lengths, args.microbatch_size, args.temperature).cpu()
@@ -566,7 +547,7 @@ def main(args: Args) -> Path:
     teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=teacher_dtype).to(policy_device)
     teacher.requires_grad_(False)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    sampling = dict(n=args.group_size, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+    sampling = dict(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens,
                     include_stop_str_in_output=True)  # fmt: skip
     probe_prompts = make_probe_prompts(tokenizer, [task.prompt(ex) + ex["solution"] for ex in task.train[:8]])
 
@@ -612,9 +593,7 @@ def main(args: Args) -> Path:
 
         # --- 4. Reload the new weights into the engine, and prove it follows them (unless nothing changed) ---
         t0 = time.time()
-        gap = (
-            reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol) if metrics["train/updated"] else None
-        )
+        gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)  # also after a skipped update
         t_reload = time.time() - t0
 
         # --- 5. Log, evaluate, save ---
@@ -630,11 +609,9 @@ def main(args: Args) -> Path:
             metrics.update(held_out_reverse_kl(llm, policy, teacher, task, args, vllm_device))
         metrics["time/step"] = time.time() - t_step
         log(metrics, step_done)
-        print(
-            f"step {step_done:5d}/{args.n_distill_steps} | reverse KL {metrics['rollout/reverse_kl']:.4f} | "
-            f"reward {metrics['rollout/reward_mean']:.3f} | len {metrics['rollout/response_length']:.0f} | "
-            f"loss {metrics['train/loss']:+.4f} grad {metrics['train/grad_norm']:.3f} | {metrics['time/step']:.1f} s"
-        )
+        print(f"step {step_done:5d}/{args.n_distill_steps} | reverse KL {metrics['rollout/reverse_kl']:.4f} | "
+              f"reward {metrics['rollout/reward_mean']:.3f} | len {metrics['rollout/response_length']:.0f} | "
+              f"loss {metrics['train/loss']:+.4f} | {metrics['time/step']:.1f} s")  # fmt: skip
         if step_done % args.save_every == 0 or step_done == args.n_distill_steps:
             save_checkpoint(run_dir, step_done, policy, tokenizer, optimizer, scheduler, args.keep_checkpoints)
     return run_dir
