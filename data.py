@@ -763,9 +763,7 @@ def render_prompt(example: dict, template: str, tokenizer=None, fewshot: list[di
     if template == "chat":
         if tokenizer is None:
             raise ValueError("template 'chat' needs the tokenizer (its chat template)")
-        # The "####" line is for answer-checked tasks: code has its own instruction, and an IFEval prompt is the task
-        content = question if code or example["verifier"] == "ifeval" else f"{question}\n{CHAT_INSTRUCTION}"
-        messages = [{"role": "user", "content": content}]
+        messages = [{"role": "user", "content": chat_message(example)}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if template == "gsm8k_kshot":
         if fewshot is None:
@@ -773,6 +771,14 @@ def render_prompt(example: dict, template: str, tokenizer=None, fewshot: list[di
         shots = [f"Question: {shot['prompt']}\nAnswer: {_hash_target(shot)}" for shot in fewshot]
         return "\n\n".join([*shots, f"Question: {question}\nAnswer:"])
     raise ValueError(f"unknown template {template!r}; choose from {list(TEMPLATES)}")
+
+
+def chat_message(example: dict) -> str:
+    """The user's message of the "chat" template. The "####" line is for answer-checked tasks: code has its own
+    instruction, and an IFEval prompt is the task."""
+    if example["verifier"] == "code":
+        return f"{example['prompt']}\n{CODE_INSTRUCTION}"
+    return example["prompt"] if example["verifier"] == "ifeval" else f"{example['prompt']}\n{CHAT_INSTRUCTION}"
 
 
 def render_response(example: dict, template: str) -> str:
@@ -1032,12 +1038,23 @@ def eval_metrics(records: list[dict]) -> dict:
 # --- SFT pairs: (prompt, response) from a JSONL file or from the datasets' worked solutions ---
 
 
+VERIFIER_FIELDS = ("answer", "verifier", "tests", "code_prompt", "completion_stop")  # what verifiers.score reads
+
+
+def sft_row(prompt: str, response: str, example: dict) -> dict:
+    """One --sft-file row: the pair, and what verifiers.score needs to check it again (sft.py --filter-correct)."""
+    keys = ("dataset", "id", *VERIFIER_FIELDS)
+    return {"prompt": prompt, "response": response, **{key: example[key] for key in keys if key in example}}
+
+
 def read_sft_file(path: str, fields: tuple[str, ...] = ("prompt", "response")) -> list[dict]:
     """Rows of {"prompt", "response"} (optionally "answer", "verifier"); a bad row names its file, line and field."""
     rows = []
     for where, row in _read_jsonl(Path(path)):
         for key in fields:  # an answer may be a dict (IFEval's instructions): only prompt and response are text
             _field(row, key, where, str if key in ("prompt", "response") else object)
+        if "verifier" in fields and row["verifier"] == "code":
+            _field(row, "tests", where)  # a program is checked by running its tests
         rows.append(row)
     return rows
 

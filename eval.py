@@ -52,14 +52,18 @@ Usage:
     python eval.py --suite --model Qwen/Qwen3-1.7B-Base --data-dir ../shared/data   # the baseline suite, one table
 """
 
+import asyncio
 import json
 import os
+import random
 import re
+import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import httpx
 import numpy as np
 import tyro
 
@@ -114,6 +118,27 @@ class Args:
     """fraction of each GPU's memory the engine may take (weights + KV cache)"""
     tensor_parallel_size: int = 1
     """GPUs to shard the model over"""
+    # --- or an OpenAI-compatible server (a hosted teacher, or `vllm serve` elsewhere) instead of a local engine ---
+    api_base: str | None = None
+    """generate through the server at this URL (e.g. https://api.deepseek.com/v1, http://127.0.0.1:8000/v1)"""
+    api_model: str | None = None
+    """the server's name of the model (required with --api-base)"""
+    api_endpoint: str = "chat"
+    """chat: the prompt as a user message (a reasoning server's thinking goes in the template's think section);
+    completions: the rendered prompt as it is, as the local engine gets it"""
+    api_key_env: str = "OPENAI_API_KEY"
+    """the environment variable that holds the key (unset: no key is sent); the key is never written anywhere"""
+    concurrency: int = 4
+    """requests in flight"""
+    request_timeout: float = 600.0
+    """seconds a request may take before it is retried"""
+    max_retries: int = 5
+    """retries of a request (429, 5xx, timeouts, dropped connections, malformed answers) before its problem fails"""
+    resume: str | None = None
+    """a results folder of an --api-base run: keep its finished problems, ask again for the others"""
+    # --- output ---
+    save_sft_pairs: str | None = None
+    """write every sample the verifier accepts (reward 1) to this JSONL file, as sft.py --sft-file reads it"""
 
 
 # The baseline suite: Qwen3-1.7B-Base's lm-evaluation-harness results (%, vLLM, greedy) and our setting for each
@@ -236,10 +261,15 @@ def format_table(metrics: dict) -> str:
 
 def validate(args: Args) -> None:
     """Every error a typo can cause, raised before any data is downloaded or any engine starts."""
+    if args.api_base and not args.api_model:
+        raise ValueError("--api-base needs --api-model: the name the server gives the model")
+    if args.api_endpoint not in ("chat", "completions") or (args.resume and not args.api_base) or args.concurrency < 1:
+        raise ValueError(f"need --api-endpoint chat|completions, --resume only with --api-base, --concurrency >= 1; "
+                         f"got {args.api_endpoint!r}, {args.resume=}, {args.concurrency=}")  # fmt: skip
     model = Path(args.model).expanduser()
     # A hub name is "org/name"; anything that starts like a path, exists here, or has more parts is a local folder.
     looks_local = args.model.startswith((".", "/", "~")) or Path(args.model.split("/")[0]).exists()
-    looks_local = looks_local or args.model.count("/") > 1
+    looks_local = (looks_local or args.model.count("/") > 1) and (not args.api_base or args.template == "chat")
     if looks_local and not (model / "config.json").is_file():
         raise ValueError(f"model {args.model!r} looks like a local path, but {model / 'config.json'} does not exist")
     if args.dataset not in data.SPLITS:
@@ -326,40 +356,214 @@ def evaluate(llm, args: Args, examples: list[dict], shots: list) -> tuple[list[d
     start = time.time()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     generate_s = time.time() - start
-
-    # Score every response (in one batch: programs run in a pool, one per core); one record per problem.
-    texts = [[sample.text for sample in output.outputs] for output in outputs]  # n completions each, in sample order
+    samples = [[(s.text, len(s.token_ids), s.finish_reason) for s in output.outputs] for output in outputs]
     start = time.time()
+    records = score_records(args, examples, prompts, samples)
+    return records, {"time/generate_s": generate_s, "time/score_s": time.time() - start}
+
+
+def score_records(args: Args, examples: list[dict], prompts: list[str], samples: list[list[tuple]]) -> list[dict]:
+    """One record per problem from its n samples, (text, n_tokens, finish_reason) each, scored all in one batch
+    (programs run in a pool, one per core)."""
+    texts = [[text for text, _, _ in group] for group in samples]
     flat_texts, flat_examples = [t for group in texts for t in group], [ex for ex in examples for _ in range(args.n)]
     if args.template == "hendrycks_math_kshot":
         flat = [hendrycks_math_score(t, ex) for t, ex in zip(flat_texts, flat_examples, strict=True)]
     else:
         flat = verifiers.score_batch(flat_texts, flat_examples)
-    score_s = time.time() - start
     records = []
-    for i, (example, prompt, output) in enumerate(zip(examples, prompts, outputs, strict=True)):
-        samples = output.outputs
+    for i, (example, prompt, group) in enumerate(zip(examples, prompts, samples, strict=True)):
         record = {"id": example["id"], "prompt": prompt, "answer": example["answer"]}
         record.update({key: example[key] for key in ("level", "subject") if key in example})  # MATH only
         record["responses"] = texts[i]
         record["rewards"] = flat[i * args.n : (i + 1) * args.n]
-        record["n_tokens"] = [len(sample.token_ids) for sample in samples]
-        record["finish_reasons"] = [sample.finish_reason for sample in samples]  # "stop" or "length"
+        record["n_tokens"] = [n_tokens for _, n_tokens, _ in group]
+        record["finish_reasons"] = [finish for _, _, finish in group]  # "stop" or "length"
         records.append(record)
-    return records, {"time/generate_s": generate_s, "time/score_s": score_s}
+    return records
+
+
+# --- or generate through an OpenAI-compatible server (samples.jsonl grows as problems finish) ---
+
+
+def check_server(args: Args, key: str | None) -> None:
+    """Before any request: the server answers, accepts the key (if it needs one) and serves the model."""
+    try:
+        response = httpx.get(f"{args.api_base.rstrip('/')}/models", headers=auth(key), timeout=30)
+    except httpx.HTTPError as error:
+        raise ValueError(f"cannot reach {args.api_base}: {type(error).__name__}: {error}") from None
+    if response.status_code in (401, 403):
+        hint = f"check the key in ${args.api_key_env}" if key else f"it needs a key: set ${args.api_key_env}"
+        raise ValueError(f"{args.api_base} refused the request (HTTP {response.status_code}): {hint}")
+    if response.status_code != 200:
+        raise ValueError(f"{args.api_base}/models answered HTTP {response.status_code}")
+    served = [model["id"] for model in response.json().get("data", [])]
+    if args.api_model not in served:
+        raise ValueError(f"{args.api_base} does not serve {args.api_model!r} (HTTP 404 to come); it serves {served}")
+
+
+def auth(key: str | None) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def request_body(args: Args, example: dict, prompt: str) -> tuple[str, dict]:
+    """The endpoint and JSON body of one sample's request. Chat: the server applies its chat template to one user
+    message (the "chat" template's message, or else the rendered prompt); completions: the prompt as it is."""
+    body = {"model": args.api_model, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "top_p": args.top_p, "stop": data.stop_strings(args.template)}  # fmt: skip
+    if args.api_endpoint == "completions":
+        return "/completions", {**body, "prompt": prompt}
+    content = data.chat_message(example) if args.template == "chat" else prompt
+    return "/chat/completions", {**body, "messages": [{"role": "user", "content": content}]}
+
+
+def parse_answer(answer: dict, template: str) -> tuple[str, int, str]:
+    """(text, completion tokens, finish_reason) of an answer, as the local engine would give them: a reasoning
+    server's thinking ("reasoning_content" in DeepSeek's API, "reasoning" in vLLM's) in the template's think section,
+    and r1_zero's "</answer>", after which the server stopped and which it leaves out, put back. KeyError, IndexError
+    or TypeError: a malformed answer."""
+    choice, finish = answer["choices"][0], answer["choices"][0]["finish_reason"]
+    if "message" in choice:
+        text, thinking = choice["message"]["content"] or "", choice["message"].get("reasoning_content")
+        thinking = thinking or choice["message"].get("reasoning")
+        if thinking:
+            text = (
+                f" {thinking} </think> {text}" if template == "r1_zero" else f"<think>\n{thinking}\n</think>\n\n{text}"
+            )
+    else:
+        text = choice["text"]
+    if template == "r1_zero" and finish == "stop" and "<answer>" in text and "</answer>" not in text:
+        text += "</answer>"
+    return text, (answer.get("usage") or {}).get("completion_tokens", 0), finish
+
+
+async def ask(client: httpx.AsyncClient, path: str, body: dict, args: Args) -> tuple[tuple, dict]:
+    """One sample: (parse_answer's triple, usage). Retried with exponential backoff and jitter, or after the server's
+    Retry-After, on 429, 5xx, timeouts, dropped connections and malformed answers; another 4xx is final at once.
+    Raises RuntimeError with the last error once the retries run out."""
+    for attempt in range(args.max_retries + 1):
+        wait = min(60.0, 0.5 * 2**attempt) * random.uniform(0.5, 1.5)
+        try:
+            response = await client.post(path, json=body)
+            if response.status_code == 429 or response.status_code >= 500:
+                error, retry_after = f"HTTP {response.status_code}", response.headers.get("retry-after", "")
+                wait = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else wait
+            elif response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+            else:
+                answer = response.json()
+                return parse_answer(answer, args.template), answer.get("usage") or {}
+        except httpx.TransportError as exception:  # timeouts, refused or reset connections
+            error = f"{type(exception).__name__}: {exception}"
+        except (ValueError, KeyError, IndexError, TypeError) as exception:  # not JSON, no choices, a missing field
+            error = f"malformed answer: {type(exception).__name__}: {exception}"
+        if attempt < args.max_retries:
+            await asyncio.sleep(wait)
+    raise RuntimeError(f"{args.max_retries + 1} attempts; the last: {error}")
+
+
+async def ask_all(args: Args, key: str | None, examples: list[dict], prompts: list[str], samples_file: Path) -> None:
+    """Every problem's n samples, --concurrency requests in flight; each problem scored and appended to samples_file
+    as it finishes, or appended as failed (with its last error) once a sample's retries ran out."""
+    semaphore = asyncio.Semaphore(args.concurrency)
+    headers, timeout = auth(key), httpx.Timeout(args.request_timeout)
+    async with httpx.AsyncClient(base_url=args.api_base.rstrip("/"), headers=headers, timeout=timeout) as client:
+
+        async def sample(path: str, body: dict):
+            async with semaphore:
+                return await ask(client, path, body, args)
+
+        async def problem(example: dict, prompt: str) -> None:
+            results = await asyncio.gather(*[sample(*request_body(args, example, prompt)) for _ in range(args.n)],
+                                           return_exceptions=True)  # fmt: skip
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:
+                record = {"id": example["id"], "prompt": prompt, "failed": str(failed[0]).replace(key or "\0", "***")}
+            else:
+                (record,) = await asyncio.to_thread(score_records, args, [example], [prompt], [[r[0] for r in results]])
+                record["usage"] = {
+                    k: sum(r[1].get(k, 0) for r in results) for k in ("prompt_tokens", "completion_tokens")
+                }
+            with open(samples_file, "a", encoding="utf-8") as f:  # one write per problem: a kill loses none written
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+        await asyncio.gather(*[problem(example, prompt) for example, prompt in zip(examples, prompts, strict=True)])
+
+
+def finished_records(samples_file: Path) -> list[dict]:
+    """The answered problems of an earlier run, each once; samples_file is rewritten with them alone (by rename), so
+    its failed problems and a line cut by a kill are asked again."""
+    lines = samples_file.read_text(encoding="utf-8").splitlines() if samples_file.exists() else []
+    records = {}
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:  # only the last line can be cut short by a kill
+                raise ValueError(f"{samples_file}, line {i + 1}: not JSON") from None
+            print(f"{samples_file}: dropped its last line, cut short")
+            continue
+        if "failed" not in record:
+            records[record["id"]] = record
+    samples_file.with_suffix(".tmp").write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records.values())
+    )
+    os.replace(samples_file.with_suffix(".tmp"), samples_file)
+    return list(records.values())
+
+
+def generate_through_server(args: Args, examples: list[dict], shots: list, run_dir: Path) -> tuple[list[dict], dict]:
+    """Ask the server for the problems run_dir's samples.jsonl does not hold yet; returns all records and metrics:
+    summarize's over the answered problems, the failed count, and the tokens the server counted (the bill)."""
+    key = os.environ.get(args.api_key_env) or None
+    check_server(args, key)
+    tokenizer = None
+    if args.template == "chat":  # the recorded prompt, for sft.py, in the student's (--model's) chat template
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    done = {record["id"] for record in finished_records(run_dir / "samples.jsonl")}
+    todo = [(ex, s) for ex, s in zip(examples, shots, strict=True) if ex["id"] not in done]
+    prompts = [data.render_prompt(ex, args.template, tokenizer, s) for ex, s in todo]
+    print(f"{len(done)} problems answered before, {len(todo)} to ask {args.api_base} ({args.api_model}) for")
+    start = time.time()
+    asyncio.run(ask_all(args, key, [ex for ex, _ in todo], prompts, run_dir / "samples.jsonl"))
+    lines = (run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()
+    records = [r for r in map(json.loads, lines) if "failed" not in r]
+    metrics = {**(summarize(records, args.k) if records else {}), "eval/n_failed": len(lines) - len(records),
+               "time/generate_s": time.time() - start}  # fmt: skip
+    for kind in ("prompt_tokens", "completion_tokens"):
+        metrics[f"usage/{kind}"] = sum(r["usage"][kind] for r in records)
+    for record in map(json.loads, lines):
+        if "failed" in record:
+            print(f"failed: {record['id']}: {record['failed']}")
+    return records, metrics
 
 
 def write_results(run_dir: Path, args: Args, records: list[dict], metrics: dict) -> None:
-    run_dir.mkdir(parents=True)
-    with open(run_dir / "samples.jsonl", "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    """summary.json, and samples.jsonl unless it grew as problems finished (--api-base)."""
+    run_dir.mkdir(parents=True, exist_ok=bool(args.api_base))
+    if not args.api_base:
+        with open(run_dir / "samples.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
     (run_dir / "summary.json").write_text(json.dumps({"args": asdict(args), "metrics": metrics}, indent=2) + "\n")
+
+
+def write_sft_pairs(path: str, records: list[dict], examples: list[dict]) -> int:
+    """Every sample the verifier accepts, a data.sft_row each (what sft.py --sft-file reads); returns their count."""
+    by_id, rows = {example["id"]: example for example in examples}, []
+    for record in records:
+        for response, reward in zip(record["responses"], record["rewards"], strict=True):
+            if reward["reward"] == 1:
+                rows.append(data.sft_row(record["prompt"], response, by_id[record["id"]]))
+    Path(path).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    return len(rows)
 
 
 def model_name(args: Args) -> str:
     """The last 3 path parts, so a checkpoint keeps its run's name: "sft__1__1763700000_checkpoints_step_000200"."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(Path(args.model).parts[-3:])).strip("_")
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(Path(args.api_model or args.model).parts[-3:])).strip("_")
 
 
 def main(args: Args) -> Path:
@@ -371,18 +575,26 @@ def main(args: Args) -> Path:
     validate(args)
     examples, shots = load_examples(args)
 
-    # 2. Generate n responses per problem and score them.
-    start = time.time()
-    llm = start_engine(args)
-    engine_start_s = time.time() - start
-    records, times = evaluate(llm, args, examples, shots)
+    # 2. Generate n responses per problem (a local engine, or a server) and score them.
+    template = f"{args.template}{len(shots[0])}" if shots and shots[0] is not None else args.template
+    name = f"{model_name(args)}__{args.dataset}_{args.split}__{template}__{int(time.time())}"
+    run_dir = Path(args.resume) if args.resume else Path(args.out_dir) / name
+    if args.api_base:
+        records, metrics = generate_through_server(args, examples, shots, run_dir)
+    else:
+        start = time.time()
+        llm = start_engine(args)
+        engine_start_s = time.time() - start
+        records, times = evaluate(llm, args, examples, shots)
+        metrics = {**summarize(records, args.k), "time/engine_start_s": engine_start_s, **times}
 
     # 3. Metrics, files, table.
-    metrics = {**summarize(records, args.k), "time/engine_start_s": engine_start_s, **times}
-    template = f"{args.template}{len(shots[0])}" if shots and shots[0] is not None else args.template
-    run_dir = Path(args.out_dir) / f"{model_name(args)}__{args.dataset}_{args.split}__{template}__{int(time.time())}"
     write_results(run_dir, args, records, metrics)
-    print(f"{args.model} on {args.dataset}/{args.split}, template {template}, n={args.n}, T={args.temperature}")
+    if args.save_sft_pairs:
+        n_pairs = write_sft_pairs(args.save_sft_pairs, records, [{"dataset": args.dataset, **ex} for ex in examples])
+        print(f"wrote {n_pairs} samples the verifier accepts to {args.save_sft_pairs} (sft.py --sft-file)")
+    print(f"{args.api_model or args.model} on {args.dataset}/{args.split}, template {template}, n={args.n}, "
+          f"T={args.temperature}")  # fmt: skip
     print(format_table(metrics))
     print(f"wrote {run_dir}/samples.jsonl and summary.json")
     return run_dir
@@ -419,4 +631,6 @@ def run_suite(args: Args) -> Path:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    results = main(tyro.cli(Args))
+    summary = json.loads((results / "summary.json").read_text()) if (results / "summary.json").exists() else {}
+    sys.exit(3 if summary.get("metrics", {}).get("eval/n_failed") else 0)  # 3: some problems failed (--api-base)

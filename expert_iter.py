@@ -106,7 +106,7 @@ class Args:
     reload_tol: float | None = None  # max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16
 
 
-# --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py and grpo.py) ---
+# --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], tokenizer) -> dict[str, torch.Tensor]:
@@ -220,7 +220,7 @@ def select_correct(
     return kept
 
 
-# --- PLUMBING: the vLLM engine and its weight reloads (same in sft.py, expert_iter.py and grpo.py) ---
+# --- PLUMBING: the vLLM engine and its weight reloads (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def engine_device(device: str):
@@ -310,7 +310,7 @@ def reload_and_check(policy, llm: LLM, probe_prompts: list[list[int]], device: s
     return gap
 
 
-# --- PLUMBING: evaluation (same in sft.py, expert_iter.py and grpo.py) ---
+# --- PLUMBING: evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, devices: tuple[str, str], run_dir: Path, step: int):
@@ -351,7 +351,7 @@ def log_generations(policy, tokenizer, records: list[dict], policy_device: str) 
             "eval/sample_length_incorrect": lengths(False)}, out  # fmt: skip
 
 
-# --- PLUMBING: run folder, devices, policy, checkpoints, logging (same in sft.py, expert_iter.py and grpo.py) ---
+# --- PLUMBING: run folder, devices, policy, checkpoints, logs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {"resume", "output_dir", "track", "wandb_project", "policy_device", "vllm_device",
@@ -524,11 +524,8 @@ def main(args: Args) -> Path:
         scores = [[next(flat) for _ in group] for group in responses]  # (Q, G) reward dicts
         rewards = [[s["reward"] for s in group] for group in scores]  # (Q, G)
         kept = select_correct(examples, prompts, responses, rewards)
-        append_jsonl(run_dir / "kept.jsonl", [
-            {"step": step_done, "dataset": p["example"]["dataset"], "id": p["example"]["id"], "prompt": p["prompt"],
-             "response": p["response"], "answer": p["example"]["answer"], "verifier": p["example"]["verifier"]}
-            for p in kept
-        ])  # fmt: skip
+        rows = [{"step": step_done, **data.sft_row(p["prompt"], p["response"], p["example"])} for p in kept]
+        append_jsonl(run_dir / "kept.jsonl", rows)  # an sft.py --sft-file
         # Lengths as generated (EOS excluded), looked up by question and text.
         n_tokens = {(examples[q]["id"], c.text): len(c.token_ids) for q, group in enumerate(completions) for c in group}
         kept_lengths = [n_tokens[p["example"]["id"], p["response"]] for p in kept]

@@ -127,7 +127,7 @@ class Args:
     reload_tol: float | None = None  # max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16
 
 
-# --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py and grpo.py) ---
+# --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], tokenizer) -> dict[str, torch.Tensor]:
@@ -405,8 +405,8 @@ def take_rows(tensors: dict, rows: list[int], lengths: list[int], device: str) -
 
 
 def frozen_log_probs(model, batch: dict, lengths: list[int], microbatch_size: int, temperature: float) -> torch.Tensor:
-    """log p of every label of a padded batch (n, T) under `model`, without gradient: the old policy's or the
-    reference model's."""
+    """log p of every label of a padded batch (n, T) under `model`, without gradient: a frozen model's (the old
+    policy, the reference model, a teacher)."""
     device = next(model.parameters()).device
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     log_probs = torch.zeros(batch["labels"].shape, device=device)  # (n, T)
@@ -560,7 +560,7 @@ def step_metrics(reward_metadata: dict, completions: list, n_trained: int, sums:
     return metrics
 
 
-# --- PLUMBING: the vLLM engine and its weight reloads (same in sft.py, expert_iter.py and grpo.py) ---
+# --- PLUMBING: the vLLM engine and its weight reloads (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def engine_device(device: str):
@@ -650,7 +650,7 @@ def reload_and_check(policy, llm: LLM, probe_prompts: list[list[int]], device: s
     return gap
 
 
-# --- PLUMBING: evaluation (same in sft.py, expert_iter.py and grpo.py) ---
+# --- PLUMBING: evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, devices: tuple[str, str], run_dir: Path, step: int):
@@ -691,7 +691,7 @@ def log_generations(policy, tokenizer, records: list[dict], policy_device: str) 
             "eval/sample_length_incorrect": lengths(False)}, out  # fmt: skip
 
 
-# --- PLUMBING: run folder, devices, policy, checkpoints, logging (same in sft.py, expert_iter.py and grpo.py) ---
+# --- PLUMBING: run folder, devices, policy, checkpoints, logs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {"resume", "output_dir", "track", "wandb_project", "policy_device", "vllm_device",

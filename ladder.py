@@ -63,11 +63,14 @@ class Args:
     """evaluate on the first n_test test problems (None: all 512)"""
     pin_isa: bool = True
     """run the stages with torch and oneDNN held to AVX2 kernels (PIN_ISA), as the README's numbers were made"""
+    distill: bool = False
+    """also SFT on the gold solutions (a teacher that carries right) and distill it into the SFT checkpoint"""
 
 
-STAGES = ("base", "teacher", "sft", "expert_iter", "grpo")
+STAGES = ("base", "teacher", "sft", "expert_iter", "grpo", "gold_sft", "distill")
 LABELS = {"base": "base (random init)", "teacher": "teacher's traces (train split)", "sft": "SFT on the traces",
-          "expert_iter": "expert iteration from SFT", "grpo": "GRPO from SFT"}  # fmt: skip
+          "expert_iter": "expert iteration from SFT", "grpo": "GRPO from SFT",
+          "gold_sft": "SFT on the gold solutions (distill's teacher)", "distill": "distillation from SFT"}  # fmt: skip
 TRACES = "teacher_traces.jsonl"  # in the run folder: sft.py's --sft-file
 CARRY = re.compile(r"(-?\d+) \+ (\d+) = (-?\d+)\.")  # "17 + 5 = 22." in a worked solution
 SHARED = ["--dataset", "synthetic", "--template", "question"]  # every script: the same task and prompt
@@ -79,16 +82,22 @@ LENGTHS = ["--max-tokens", "64", "--eval-max-tokens", "64"]  # a 4-step solution
 PIN_ISA = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
-def stage_commands(args: Args, run_dir: Path, sft_checkpoint: str) -> dict[str, list[str]]:
-    """The command line of every training stage. sft_checkpoint is only known once sft.py has run."""
+def stage_commands(args: Args, run_dir: Path, sft_checkpoint: str, teacher: str = "") -> dict[str, list[str]]:
+    """The command line of every training stage. The checkpoints are only known once sft.py has run."""
     common = [*SHARED, "--seed", str(args.seed), "--output-dir", str(run_dir)]
+    sft = ["--batch-size", "32", "--microbatch-size", "32", "--lr", "3e-3", "--max-seq-len", "128", "--eval-every",
+           "125", "--n-eval", "256", "--eval-max-tokens", "64", "--save-every", "100000"]  # fmt: skip
     return {
         "tiny_model": ["tiny_model.py", "--out", str(run_dir / "base"), "--n-layers", str(args.n_layers),
                        "--seed", str(args.seed)],
         "sft": ["sft.py", "--model", str(run_dir / "base"), *common, "--sft-file", str(run_dir / TRACES),
-                "--n-examples", str(args.sft_examples), "--batch-size", "32", "--microbatch-size", "32",
-                "--lr", "3e-3", "--max-seq-len", "128",
-                "--eval-every", "125", "--n-eval", "256", "--eval-max-tokens", "64", "--save-every", "100000"],
+                "--n-examples", str(args.sft_examples), *sft],
+        "gold_sft": ["sft.py", "--model", str(run_dir / "base"), *common, "--exp-name", "gold_sft",
+                     "--n-examples", str(args.sft_examples), *sft],
+        "distill": ["distill.py", "--model", sft_checkpoint, "--teacher", teacher, *common,
+                    "--n-distill-steps", str(args.grpo_steps), "--rollout-batch-size", "256", "--group-size", "8",
+                    "--microbatch-size", "64", "--lr", "1e-4", "--warmup-steps", "5", *LENGTHS, "--n-eval", "256",
+                    "--eval-every", "10", "--save-every", "100000"],
         "expert_iter": ["expert_iter.py", "--model", sft_checkpoint, *common, "--n-ei-steps", str(args.ei_steps),
                         "--n-questions", "256", "--group-size", "4", *LENGTHS, "--lr", "1e-4", "--warmup-steps", "5",
                         "--batch-size", "32", "--microbatch-size", "32", "--max-seq-len", "160", "--n-eval", "256"],
@@ -222,7 +231,7 @@ def plot(run_dir: Path, results: dict) -> Path:
 
 def table(results: dict) -> str:
     rows = ["| stage | accuracy | carries right | wall time |", "|---|---|---|---|"]
-    for stage in STAGES:
+    for stage in [stage for stage in STAGES if stage in results]:
         r = results[stage]
         carries = "-" if r["carries_right"] is None else f"{r['carries_right']:.0%}"
         rows.append(f"| {LABELS[stage]} | {r['accuracy']:.1%} | {carries} | {r['seconds'] / 60:.1f} min |")
@@ -238,7 +247,7 @@ def main(args: Args) -> dict:
     results, where = {}, {**machine(), "env": stage_env(args)}
     if results_path.exists():  # a resumed ladder: its own settings, not this command line's defaults
         saved = json.loads(results_path.read_text())
-        args, results = Args(**{**saved["args"], "resume": args.resume}), saved["results"]
+        args, results = Args(**{**saved["args"], "resume": args.resume, "distill": args.distill}), saved["results"]
         where = saved.get("machine", where)
     print(f"machine: {where}", flush=True)
 
@@ -256,10 +265,11 @@ def main(args: Args) -> dict:
     if "teacher" not in results:
         start = time.time()
         finish("teacher", *write_teacher_traces(args, run_dir), time.time() - start)
-    for stage in ("sft", "expert_iter", "grpo"):
+    for stage in ("sft", "expert_iter", "grpo", *(("gold_sft", "distill") if args.distill else ())):
         if stage not in results:
-            if stage != "sft":  # expert iteration and GRPO start from the SFT checkpoint
-                cmds = stage_commands(args, run_dir, str(find_one("sft__*/checkpoints/step_*", run_dir)))
+            if stage in ("expert_iter", "grpo", "distill"):  # they start from the SFT checkpoint
+                teacher = str(find_one("gold_sft__*/checkpoints/step_*", run_dir)) if stage == "distill" else ""
+                cmds = stage_commands(args, run_dir, str(find_one("sft__*/checkpoints/step_*", run_dir)), teacher)
             seconds = run(cmds[stage], run_dir / f"{stage}.log", stage_env(args))
             checkpoint = find_one(f"{stage}__*/checkpoints/step_*", run_dir)
             accuracy, carries, eval_seconds = evaluate(args, checkpoint, run_dir, stage)

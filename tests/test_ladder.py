@@ -12,13 +12,13 @@ def test_ladder_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     for name in ladder.PIN_ISA:
         monkeypatch.delenv(name, raising=False)
     args = ladder.Args(
-        seed=3, output_dir=str(tmp_path), n_layers=2, sft_examples=64, ei_steps=1, grpo_steps=1, n_test=8
+        seed=3, output_dir=str(tmp_path), n_layers=2, sft_examples=64, ei_steps=1, grpo_steps=1, n_test=8, distill=True
     )
     results = ladder.main(args)
     (run_dir,) = tmp_path.glob("ladder__3__*")
 
     assert list(results) == list(ladder.STAGES)
-    for stage in ("base", "sft", "expert_iter", "grpo"):
+    for stage in ("base", "sft", "expert_iter", "grpo", "gold_sft", "distill"):
         (summary,) = (run_dir / "eval" / stage).glob("*/summary.json")
         metrics = json.loads(summary.read_text())["metrics"]
         assert metrics["eval/n_problems"] == 8
@@ -41,6 +41,12 @@ def test_ladder_runs_every_stage_and_resumes(tmp_path, monkeypatch):
         assert json.loads((stage_dir / "args.json").read_text())["model"] == sft_checkpoint
     (sft_dir,) = run_dir.glob("sft__*")
     assert json.loads((sft_dir / "args.json").read_text())["sft_file"] == str(run_dir / ladder.TRACES)
+    # distillation: from the SFT checkpoint, toward the SFT on the gold solutions (no --sft-file: the solutions)
+    (gold_dir,), (distill_dir,) = run_dir.glob("gold_sft__*"), run_dir.glob("distill__*")
+    assert json.loads((gold_dir / "args.json").read_text())["sft_file"] is None
+    distilled = json.loads((distill_dir / "args.json").read_text())
+    assert distilled["model"] == sft_checkpoint
+    assert distilled["teacher"] == str(sorted(gold_dir.glob("checkpoints/step_*"))[-1])
 
     # A resumed ladder whose stages all finished runs none of them again.
     before = sorted(p.name for p in run_dir.iterdir())

@@ -235,6 +235,23 @@ def test_filter_correct_reads_an_ifeval_row_of_kept_jsonl(tiny_model_dir, tmp_pa
     assert [p["prompt"] for p in first_batch(args, monkeypatch)] == [row["prompt"]]
 
 
+def test_filter_correct_runs_the_tests_of_a_code_row(tiny_model_dir, tmp_path, monkeypatch):
+    # A code row (data.sft_row of an MBPP example, as kept.jsonl and eval.py --save-sft-pairs write it) carries its
+    # tests: --filter-correct runs them in the sandbox and keeps the program that passes.
+    example = {"dataset": "mbpp", "id": "mbpp/1", "answer": "", "verifier": "code", "tests": "assert add(2, 3) == 5"}
+    rows = [data.sft_row(f"Write add ({op}).", f"```python\ndef add(a, b):\n    return a {op} b\n```\n[DONE]", example)
+            for op in ("+", "-")]  # fmt: skip
+    sft_file = tmp_path / "kept.jsonl"
+    sft_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = sft.Args(model=str(tiny_model_dir), dataset="synthetic", sft_file=str(sft_file), filter_correct=True,
+                    batch_size=1, output_dir=str(tmp_path / "runs"))  # fmt: skip
+    assert [p["prompt"] for p in first_batch(args, monkeypatch)] == ["Write add (+)."]
+    del rows[1]["tests"]  # without its tests a program cannot be checked: the error names file, line and field
+    sft_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(data.DataError, match=re.escape(f"{sft_file}, line 2: missing field 'tests'")):
+        sft.main(args)
+
+
 # --- whole runs on the tiny model, real vLLM engine on the CPU ---
 
 
@@ -332,3 +349,36 @@ def test_resume_ends_where_an_uninterrupted_run_ends(tiny_model_dir, tmp_path):
     # The records the dead run wrote after its last checkpoint (step 3) were dropped and rewritten: one per step.
     assert [m["step"] for m in read_metrics(resumed) if "train/loss" in m] == [1, 2, 3, 4]
     assert losses_b[4] == pytest.approx(losses_a[3], abs=1e-6)
+
+
+@pytest.mark.usefixtures("free_engines")
+def test_background_evaluation_equals_a_foreground_one_of_the_same_weights(tiny_model_dir, tmp_path):
+    # 6 steps, evaluated at 0, 2, 4, 6 while the trainer goes on, each step's weights kept as a checkpoint. (On a CPU
+    # the trainer's floats may differ in the 6th digit when the engine runs beside it: compare with the same weights.)
+    common = dict(n_examples=48, batch_size=8, microbatch_size=8, eval_every=2, save_every=2, keep_checkpoints=0,
+                  n_eval=8, eval_max_tokens=16)  # fmt: skip
+    run_dir = sft.main(run_args(tiny_model_dir, tmp_path / "run", eval_in_background=True, **common))
+    rows = read_metrics(run_dir)
+    # Logged when collected: step 2's evaluation comes after the training of steps 3 and 4 that ran beside it.
+    order = [(m["step"], "eval/accuracy" in m) for m in rows]
+    assert order.index((2, True)) > order.index((4, False))
+    background = {m["step"]: m for m in rows if "eval/accuracy" in m}
+    samples = [json.loads(line) for line in open(run_dir / "generations.jsonl")]
+
+    # The same evaluations in the foreground, on a fresh engine, from the base model and each checkpoint.
+    args = sft.restore_args(sft.Args(resume=str(run_dir)))
+    task = data.load_task(args, train=False)
+    task.tokenizer = tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    pairs = [{**p, "response": p["response"] + tokenizer.eos_token}
+             for p in data.sft_pairs(task, None, args.n_examples, args.seed)]  # fmt: skip
+    probes = sft.make_probe_prompts(tokenizer, [p["prompt"] + p["response"] for p in pairs[:8]])  # as main makes them
+    llm = sft.init_vllm(str(tiny_model_dir), "cpu", args.seed, 0.3, 512 + args.eval_max_tokens)
+    (tmp_path / "again").mkdir()
+    for step, model in [(0, tiny_model_dir)] + [(int(c.name[5:]), c) for c in sft.checkpoints(run_dir)]:
+        policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).train()
+        metrics, _ = sft.reload_and_evaluate(policy, llm, tokenizer, task, args, ("cpu", "cpu"), tmp_path / "again",
+                                             step, probes, 1e-3)  # fmt: skip
+        drop_time = lambda m: {k: v for k, v in m.items() if k not in ("step", "time/eval")}
+        assert drop_time(metrics) == drop_time(background[step]), step  # accuracy, entropies, lengths, the gap
+    assert [json.loads(line) for line in open(tmp_path / "again" / "generations.jsonl")] == samples
+    assert sorted(background) == [0, 2, 4, 6]

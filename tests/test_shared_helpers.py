@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ["sft.py", "expert_iter.py", "grpo.py"]
+SCRIPTS = ["sft.py", "expert_iter.py", "grpo.py", "distill.py"]
 BANNER = re.compile(r"^# --- .*---$")
 
 
@@ -90,11 +90,11 @@ NAMED = ["evaluate", "log_generations", "reload_and_check", "resolve_devices", "
 
 
 @pytest.mark.parametrize("name", NAMED)
-def test_named_helpers_are_in_all_three(name):
+def test_named_helpers_are_in_every_script(name):
     assert all(name in functions(script) for script in SCRIPTS)
 
 
-@pytest.mark.parametrize("script", ["sft.py", "expert_iter.py", "grpo.py", "eval.py"])
+@pytest.mark.parametrize("script", [*SCRIPTS, "eval.py"])
 def test_scripts_import_no_other_script(script):
     tree = ast.parse((ROOT / script).read_text())
     imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
