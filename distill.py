@@ -1,8 +1,6 @@
-"""On-policy distillation: the student samples through a vLLM engine, a teacher grades every sampled token, and the
-student takes a policy-gradient step toward the teacher on its own responses: grpo.py with another advantage.
-
-On-policy distillation (Agarwal et al. 2024, arXiv:2306.13649; Qwen3's small models) lowers the reverse
-KL(student p || teacher q) on the student's own samples. Each step:
+"""On-policy distillation (Agarwal et al. 2024, arXiv:2306.13649; Qwen3's small models): the student samples through a
+vLLM engine, a teacher grades every sampled token, and the student steps toward the teacher on its own responses,
+lowering the reverse KL(student p || teacher q): grpo.py with another advantage, and no verifier needed. Each step:
   1. sample `rollout_batch_size / group_size` questions and let the engine write `group_size` responses to each;
   2. the teacher grades every sampled token o_t: log q(o_t | prompt, o_<t), one forward pass per response;
   3. per-token advantage A_t = -(log p(o_t) - log q(o_t)), detached: minus the sampled reverse-KL estimate (what
@@ -10,14 +8,12 @@ KL(student p || teacher q) on the student's own samples. Each step:
   4. minimise -A_t log p(o_t), one mean over the batch's tokens: as E_p[grad log p] = 0, its gradient is the
      reverse KL's, E_p[(log p - log q) grad log p]; one optimizer step per rollout batch (no ratio, no clipping);
   5. copy the new weights into the engine and *prove* it now samples from them (reload_and_check).
-A grade per token instead of one reward per response, and no verifier needed: the teacher is the reward.
-Deliberate simplifications: generation and training take turns; the KL is estimated on the sampled token, not over
-the vocabulary, and at each position alone (no credit to later tokens); the teacher must share the student's tokenizer.
+Simplifications: generation and training take turns; the KL is estimated on the sampled token, not over the
+vocabulary, and at each position alone (no credit to later tokens); the teacher must share the student's tokenizer.
 
 Usage:
     python distill.py --model runs/sft__1__<time>/checkpoints/step_000217 --teacher Qwen/Qwen3-8B   # 2 GPUs
     python distill.py --model ... --teacher ... --reward-weight 1.0      # the teacher's grades plus the verifier's
-    python distill.py --resume runs/distill__1__1763800000             # continue a stopped run where it stopped
 """
 
 import contextlib
@@ -159,10 +155,8 @@ def compute_distill_advantages(
 ) -> torch.Tensor:  # fmt: skip
     """A_t = -(log p(o_t) - log q(o_t)) + reward_weight A_reward, detached: the sampled tokens' log-probs (B, T) under
     student p and teacher q, reward_advantages (B,) -> (B, T). The first term: minus the sampled reverse KL."""
-    advantages = -(policy_log_probs - teacher_log_probs).detach()
-    if reward_weight:
-        advantages = advantages + reward_weight * reward_advantages.reshape(-1, 1)
-    return advantages
+    reward_term = reward_weight * reward_advantages.reshape(-1, 1) if reward_weight else 0.0
+    return -(policy_log_probs - teacher_log_probs).detach() + reward_term
 
 
 def distill_microbatch_train_step(
@@ -177,30 +171,24 @@ def distill_microbatch_train_step(
     return loss.detach(), (policy_log_probs - teacher_log_probs).detach()
 
 
-# --- ALGORITHM: rollouts as training tensors, and the update ---
+# --- ALGORITHM: rollouts as training tensors, the update; the teacher checked, the held-out reverse KL ---
 
 
-def microbatches(rows: list[int], lengths: list[int], size: int) -> list[list[int]]:
-    """Rows in microbatches of `size`, sorted by length so each pads little (the loss weights are the batch's)."""
+def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, device: str):
+    """Yields (rows, their (b, t) tensors): these rows of (B, T) tensors in microbatches of `size`, sorted by length so
+    each pads little, each cut to its longest sequence (the padding is on the right) and moved to `device`."""
     rows = sorted(rows, key=lambda i: lengths[i])
-    return [rows[i : i + size] for i in range(0, len(rows), size)]
-
-
-def take_rows(tensors: dict, rows: list[int], lengths: list[int], device: str) -> dict:
-    """These rows of (B, T) tensors, cut to their longest sequence (the padding is on the right), on `device`."""
-    width = max(lengths[i] for i in rows)
-    index = torch.tensor(rows)
-    return {k: v[index, :width].to(device) for k, v in tensors.items()}
+    for chunk in (rows[i : i + size] for i in range(0, len(rows), size)):
+        width = max(lengths[i] for i in chunk)
+        yield chunk, {k: v[torch.tensor(chunk), :width].to(device) for k, v in tensors.items()}
 
 
 def frozen_log_probs(model, batch: dict, lengths: list[int], microbatch_size: int, temperature: float) -> torch.Tensor:
-    """log p of every label of a padded batch (n, T) under `model`, without gradient: a frozen model's (the old
-    policy, the reference model, a teacher)."""
+    """log p of every label of a padded batch (n, T) under a frozen `model` (old policy, reference, teacher)."""
     device = next(model.parameters()).device
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     log_probs = torch.zeros(batch["labels"].shape, device=device)  # (n, T)
-    for rows in microbatches(list(range(len(lengths))), lengths, microbatch_size):
-        micro = take_rows(batch, rows, lengths, str(device))
+    for rows, micro in microbatches(batch, list(range(len(lengths))), lengths, microbatch_size, str(device)):
         with torch.no_grad(), autocast:
             out = get_response_log_probs(model, micro["input_ids"], micro["labels"], False, temperature)
         log_probs[rows, : micro["labels"].shape[1]] = out["log_probs"].float()
@@ -218,8 +206,7 @@ def update_student(policy, teacher, optimizer, scheduler, batch: dict, lengths: 
     teacher_log_probs = frozen_log_probs(teacher, tensors, lengths, args.microbatch_size, args.temperature)
     n_tokens = int(tensors["response_mask"].sum())
     sums = torch.zeros(3, device=device)  # loss, reverse KL and entropy summed over the response tokens
-    for rows in microbatches(list(range(len(lengths))), lengths, args.microbatch_size):
-        micro = take_rows(tensors, rows, lengths, str(device))
+    for rows, micro in microbatches(tensors, list(range(len(lengths))), lengths, args.microbatch_size, str(device)):
         with autocast:
             out = get_response_log_probs(policy, micro["input_ids"], micro["labels"], True, args.temperature)
         loss, reverse_kl = distill_microbatch_train_step(
@@ -240,9 +227,6 @@ def update_student(policy, teacher, optimizer, scheduler, batch: dict, lengths: 
             "rollout/reverse_kl": reverse_kl / n_tokens, "train/updated": updated}  # fmt: skip
 
 
-# --- PLUMBING: distill.py's own (the arguments and the teacher, the held-out KL) ---
-
-
 def check_student_and_teacher(args: Args) -> None:
     """Refuse inconsistent arguments, a missing teacher, or one whose vocabulary is not the student's, before anything
     loads: a grade of token id k means something only if both models mean the same token by k."""
@@ -261,17 +245,14 @@ def held_out_reverse_kl(llm: LLM, policy, teacher, task: data.Task, args: Args, 
     """Reverse KL(student || teacher) per token on the eval prompts: a response each, sampled as in training (an
     unbiased estimate; greedy is not), graded by both; the same seed each time: a change is the student's."""
     examples = [ex for name in task.names for ex in task.evals[name]]
-    params = [SamplingParams(temperature=args.temperature, max_tokens=args.eval_max_tokens,
-                             stop=task.stop(ex), include_stop_str_in_output=True, seed=args.seed)
-              for ex in examples]  # fmt: skip
+    params = [SamplingParams(temperature=args.temperature, max_tokens=args.eval_max_tokens, stop=task.stop(ex),
+                             include_stop_str_in_output=True, seed=args.seed) for ex in examples]  # fmt: skip
     with engine_device(vllm_device):
         outputs = llm.generate([task.prompt(ex) for ex in examples], params, use_tqdm=False)
-    prompt_ids = [list(o.prompt_token_ids) for o in outputs]
-    output_ids = [list(o.outputs[0].token_ids) for o in outputs]
-    batch = collate_token_ids(prompt_ids, output_ids, 0)
-    lengths = [len(p) + len(o) - 1 for p, o in zip(prompt_ids, output_ids, strict=True)]
-    student = frozen_log_probs(policy, batch, lengths, args.microbatch_size, args.temperature).cpu()
-    graded = frozen_log_probs(teacher, batch, lengths, args.microbatch_size, args.temperature).cpu()
+    batch = collate_token_ids([o.prompt_token_ids for o in outputs], [o.outputs[0].token_ids for o in outputs], 0)
+    lengths = [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outputs]
+    student, graded = (frozen_log_probs(m, batch, lengths, args.microbatch_size, args.temperature).cpu()
+                       for m in (policy, teacher))  # fmt: skip
     mask = batch["response_mask"]
     return {"eval/reverse_kl": masked_normalize(student - graded, mask, max(mask.sum().item(), 1)).item()}
 
@@ -543,10 +524,8 @@ def main(args: Args) -> Path:
     policy, autocast = load_policy(model_path, policy_device, args.gradient_checkpointing, args.seed)
     # The teacher beside the student, frozen, bf16 on a GPU (as grpo.py's reference): a grade is one forward pass over
     # tokens the trainer holds; a second engine would take its own GPU memory to return the same prompt log-probs.
-    teacher_dtype = torch.bfloat16 if policy_device.startswith("cuda") else torch.float32
-    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=teacher_dtype).to(policy_device)
-    teacher.requires_grad_(False)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    dtype = torch.bfloat16 if policy_device.startswith("cuda") else torch.float32
+    teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=dtype).to(policy_device).requires_grad_(False)
     sampling = dict(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens,
                     include_stop_str_in_output=True)  # fmt: skip
     probe_prompts = make_probe_prompts(tokenizer, [task.prompt(ex) + ex["solution"] for ex in task.train[:8]])
@@ -578,14 +557,14 @@ def main(args: Args) -> Path:
 
         # --- 2. Score: the verifier's reward (logged; in the advantage with --reward-weight) ---
         t0 = time.time()
-        ground_truths = [ex for ex in examples for _ in range(args.group_size)]
-        scores = verifiers.score_batch([c.text for c in completions], ground_truths)
+        truths = [ex for ex in examples for _ in range(args.group_size)]  # flattened as the completions
+        scores = verifiers.score_batch([c.text for c in completions], truths)
         raw_rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)  # (B,)
         t_score = time.time() - t0
 
         # --- 3. Update: the teacher grades every sampled token, then one optimizer step toward it ---
         t0 = time.time()
-        batch = collate_token_ids(prompt_ids, [c.token_ids for c in completions], pad_id)
+        batch = collate_token_ids(prompt_ids, [c.token_ids for c in completions], 0)  # the pad is masked out
         batch["reward_advantages"] = group_normalized_rewards(raw_rewards, args.group_size)  # (B,)
         lengths = [len(p) + len(c.token_ids) - 1 for p, c in zip(prompt_ids, completions, strict=True)]  # unpadded
         metrics = update_student(policy, teacher, optimizer, scheduler, batch, lengths, args, step, autocast)
@@ -610,8 +589,7 @@ def main(args: Args) -> Path:
         metrics["time/step"] = time.time() - t_step
         log(metrics, step_done)
         print(f"step {step_done:5d}/{args.n_distill_steps} | reverse KL {metrics['rollout/reverse_kl']:.4f} | "
-              f"reward {metrics['rollout/reward_mean']:.3f} | len {metrics['rollout/response_length']:.0f} | "
-              f"loss {metrics['train/loss']:+.4f} | {metrics['time/step']:.1f} s")  # fmt: skip
+              f"reward {metrics['rollout/reward_mean']:.3f} | {metrics['time/step']:.1f} s")  # fmt: skip
         if step_done % args.save_every == 0 or step_done == args.n_distill_steps:
             save_checkpoint(run_dir, step_done, policy, tokenizer, optimizer, scheduler, args.keep_checkpoints)
     return run_dir
