@@ -9,23 +9,18 @@ GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300) is PPO without a value
      response tokens, ratio_t = p(token) / p_old(token), for one or more optimizer steps on these rollouts;
   5. copy the new weights into the engine and *prove* it now samples from them (reload_and_check).
 
-Beyond the textbook, each an Args field: GSPO and CISPO losses, three loss aggregations, clip-higher, a k3 KL, DAPO's
-overlong penalty, several updates per rollout batch, dropping groups with no signal, truncated importance sampling
-(docs/grpo_family.md compares them). train/loss sits near 0 while the model learns: watch rollout/reward_mean. All
-that is random derives from (seed, step): --resume replays a stopped run.
+Beyond the textbook, each an Args field (docs/grpo_family.md compares them): GSPO and CISPO losses, three loss
+aggregations, clip-higher, a k3 KL, several updates per rollout batch, DAPO's overlong penalty and dynamic sampling,
+truncated importance sampling. train/loss sits near 0 while the model learns: watch rollout/reward_mean.
 
-Deliberate simplifications:
-1. One trainer process, no data or model parallelism; generation and training take turns (no asynchronous rollouts).
-2. Zero-variance groups are dropped: the batch gets smaller, unless --dynamic-sampling draws more (DAPO).
-3. The reward is the verifier's: 1 for a right answer, else 0; no format bonus; a length penalty only on request.
-4. The KL penalty is in the loss (k3, per token), never in the reward, and is off by default (beta = 0), as in TRL.
-5. The engine/trainer mismatch is corrected per token (truncated at 2, verl's choice), not by masking sequences.
-6. No value function, no GAE, no reward model: those are PPO's; the group mean is the baseline.
+Deliberate simplifications: (1) one trainer process, and generation and training take turns; (2) groups with no
+signal are dropped (the batch shrinks, unless --dynamic-sampling draws more); (3) the reward is the verifier's 0 or 1,
+no format bonus; (4) the KL is in the loss (k3, per token), off by default as in TRL; (5) the engine/trainer mismatch
+is corrected per token (truncated at 2, verl's choice); (6) no value function, GAE or reward model.
 
 Usage:
     python grpo.py --model Qwen/Qwen3-1.7B-Base                    # GSM8K, R1-Zero template, 200 steps, 2 GPUs
     python grpo.py --model runs/sft__1__1763700000/checkpoints/step_000200 --loss-aggregation sequence_mean
-    python grpo.py --resume runs/grpo__1__1763800000              # continue a stopped run where it stopped
     python grpo.py --dataset gsm8k:0.25,math:0.25,mbpp:0.25,ifeval:0.25 --data-dir ../shared/data \\
         --dataset-templates ifeval=question                        # a mixture of tasks: docs/tasks.md
   No GPU: `python ladder.py` runs tiny model -> SFT -> GRPO, printing each stage's command line (~4 s a GRPO step).
@@ -45,12 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import tyro
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    get_constant_schedule_with_warmup,
-    get_cosine_schedule_with_warmup,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 
@@ -67,29 +57,24 @@ class Args:
     resume: str | None = None  # a run folder to continue from its last checkpoint, with its own arguments
     track: bool = False  # also log to Weights & Biases (pip install wandb)
     wandb_project: str = "rlvr-grpo"  # the W&B project, with --track
-
     # --- model ---
     model: str = "Qwen/Qwen3-1.7B-Base"  # Hugging Face name or folder; also the KL reference
     policy_device: str | None = None  # device of the trainer; None: cuda:0 if there is a GPU, else cpu
     vllm_device: str | None = None  # device of the vLLM engine; None: cuda:1 with two GPUs, else the policy's device
     vllm_gpu_memory_utilization: float | None = None  # the engine's share of its GPU; None: 0.85 alone, 0.3 shared
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, about 30% more time
-
     # --- data ---
     dataset: str = "gsm8k"  # gsm8k | math | mbpp | ifeval | synthetic, or a mixture: gsm8k:0.5,math:0.5
     data_dir: str | None = None  # data root, one folder per dataset (../shared/data); None: the hub
     template: str = "r1_zero"  # r1_zero | question | chat (data.py)
     dataset_templates: list[str] = field(default_factory=list)  # e.g. ifeval=question: another template for a dataset
     curriculum: list[str] = field(default_factory=list)  # e.g. mbpp=order.txt: a dataset's questions in a file's order
-
     # --- generation ---
     n_grpo_steps: int = 200  # GRPO steps; each one generates a rollout batch, trains on it and reloads the engine
     rollout_batch_size: int = 256  # responses per step: / group_size questions
     group_size: int = 8  # responses per question; their mean reward is each one's baseline (at least 2)
     temperature: float = 1.0  # sampling temperature; the trainer divides its logits by it too, so the ratio starts at 1
-    top_p: float = 1.0  # keep 1.0: the trainer scores untruncated (trl#6789)
     max_tokens: int = 1024  # max new tokens per response; answers cut off here score 0 (watch rollout/truncation_rate)
-
     # --- optim ---
     lr: float = 1e-5  # peak learning rate of AdamW (reached after the warmup)
     weight_decay: float = 0.0  # AdamW weight decay
@@ -99,7 +84,6 @@ class Args:
     epochs_per_rollout_batch: int = 1  # passes over each rollout batch; more than 1 is off-policy
     microbatch_size: int = 2  # examples per forward/backward pass (gradients accumulate)
     max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this
-
     # --- grpo ---
     loss_type: str = "grpo_clip"  # no_baseline | reinforce_with_baseline | grpo_clip | gspo | cispo (LOSS_TYPES)
     loss_aggregation: str = "token_mean"  # sequence_mean | token_mean | constant (grpo_microbatch_train_step)
@@ -115,7 +99,6 @@ class Args:
     max_draws: int = 4  # with --dynamic-sampling: draws per step, at most
     mask_truncated: bool = False  # leave responses cut off at --max-tokens out of the loss (DAPO's overlong filtering)
     vllm_importance_sampling_cap: float | None = 2.0  # truncated IS of the engine's numerics; None: off
-
     # --- eval ---
     eval_split: str = "val"  # val (or test where there is none) | test
     n_eval: int = 512  # problems evaluated per dataset, greedy, from the start of its eval split
@@ -158,9 +141,8 @@ def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tenso
     return torch.cat(chunks).reshape(logits.shape[:-1])
 
 
-def get_response_log_probs(
-    model, input_ids: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool = False, temperature: float = 1.0
-) -> dict[str, torch.Tensor]:
+def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool = False,
+                           temperature: float = 1.0) -> dict[str, torch.Tensor]:  # fmt: skip
     """log p(labels[t] | input_ids[:t+1]): (B, T) -> {"log_probs": (B, T)}, and "token_entropy" (B, T). The logits
     are divided by `temperature` as the engine's are when it samples (grpo.py needs it; SFT uses 1)."""
     logits = model(input_ids).logits.float()  # (B, T, V); float32 even under bf16 autocast
@@ -174,9 +156,8 @@ def get_response_log_probs(
     return out
 
 
-def masked_normalize(
-    tensor: torch.Tensor, mask: torch.Tensor, normalize_constant: float, dim: int | None = None
-) -> torch.Tensor:
+def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, normalize_constant: float,
+                     dim: int | None = None) -> torch.Tensor:  # fmt: skip
     """Sum of `tensor` where mask is 1, over `dim` (all dims if None), divided by normalize_constant."""
     masked = tensor * mask
     return (masked.sum() if dim is None else masked.sum(dim=dim)) / normalize_constant
@@ -199,22 +180,17 @@ def compute_group_normalized_rewards(
     raw_rewards = torch.tensor([d["reward"] for d in reward_dicts], dtype=torch.float32)  # (B,)
     grouped = raw_rewards.view(-1, group_size)  # (n_groups, G)
     group_std = grouped.std(dim=1, keepdim=True)  # (n_groups, 1), unbiased
-    advantages = grouped - grouped.mean(dim=1, keepdim=True)
-    if normalize_by_std:
-        advantages = advantages / (group_std + advantage_eps)
+    advantages = (grouped - grouped.mean(dim=1, keepdim=True)) / (group_std + advantage_eps if normalize_by_std else 1)
     metadata = {"reward_mean": raw_rewards.mean().item(), "reward_max": raw_rewards.max().item(),
-                "reward_std": raw_rewards.std().item() if len(raw_rewards) > 1 else 0.0,
-                "reward_min": raw_rewards.min().item(),
-                "frac_zero_std_groups": (group_std == 0).float().mean().item()}  # fmt: skip
-    for key in ("format_reward", "answer_reward"):
-        if all(key in d for d in reward_dicts):
-            metadata[f"{key}_mean"] = float(np.mean([d[key] for d in reward_dicts]))
+                "reward_min": raw_rewards.min().item(), "reward_std": raw_rewards.std().item() if len(grouped) > 1 else
+                0.0, "frac_zero_std_groups": (group_std == 0).float().mean().item()}  # fmt: skip
+    metadata |= {f"{k}_mean": float(np.mean([d[k] for d in reward_dicts])) for k in ("format_reward", "answer_reward")
+                 if all(k in d for d in reward_dicts)}  # fmt: skip
     return advantages.reshape(-1), raw_rewards, metadata
 
 
-def compute_naive_policy_gradient_loss(
-    raw_rewards_or_advantages: torch.Tensor, policy_log_probs: torch.Tensor
-) -> torch.Tensor:
+def compute_naive_policy_gradient_loss(raw_rewards_or_advantages: torch.Tensor,
+                                       policy_log_probs: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """Per-token REINFORCE loss -A * log p: (B, 1) or (B,) rewards or advantages, (B, T) log-probs -> (B, T)."""
     return -raw_rewards_or_advantages.reshape(-1, 1) * policy_log_probs
 
@@ -225,8 +201,7 @@ def compute_grpo_clip_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """Per-token clipped surrogate -min(r A, clip(r, 1 - low, 1 + high) A), r = exp(log p - log p_old): advantages
     (B, 1) or (B,), log-probs (B, T), cliprange a float or (low, high) (DAPO's clip-higher: (0.2, 0.28)) -> loss (B, T)
-    and (B, T) metadata: "clipped" where the bound is active (no gradient), as "clipped_high" (A > 0) and
-    "clipped_low" (A < 0); "ratio" r."""
+    and (B, T) metadata: "clipped" where a bound is active (no gradient), "clipped_high" (A > 0), "clipped_low", r."""
     low, high = (cliprange, cliprange) if isinstance(cliprange, int | float) else cliprange
     advantages = advantages.reshape(-1, 1)  # (B, 1)
     ratio = torch.exp(policy_log_probs - old_log_probs)  # (B, T)
@@ -238,8 +213,7 @@ def compute_grpo_clip_loss(
                   "clipped_low": is_clipped & (advantages < 0), "ratio": ratio.detach()}  # fmt: skip
 
 
-# loss_type -> the inputs of compute_policy_gradient_loss it needs
-LOSS_TYPES = {"no_baseline": ("raw_rewards",), "reinforce_with_baseline": ("advantages",),
+LOSS_TYPES = {"no_baseline": ("raw_rewards",), "reinforce_with_baseline": ("advantages",),  # loss_type -> its inputs
               "grpo_clip": ("advantages", "old_log_probs", "cliprange"),
               "gspo": ("advantages", "old_log_probs", "cliprange", "response_mask"),
               "cispo": ("advantages", "old_log_probs", "cliprange")}  # fmt: skip
@@ -260,9 +234,8 @@ def compute_policy_gradient_loss(
         raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(LOSS_TYPES)}")
     if missing := [name for name in LOSS_TYPES[loss_type] if given[name] is None]:
         raise ValueError(f"loss_type {loss_type!r} needs {', '.join(missing)}")
-    if loss_type in ("no_baseline", "reinforce_with_baseline"):
-        return compute_naive_policy_gradient_loss(raw_rewards if loss_type == "no_baseline" else advantages,
-                                                  policy_log_probs), {}  # fmt: skip
+    if loss_type in ("no_baseline", "reinforce_with_baseline"):  # -r log p, -A log p
+        return compute_naive_policy_gradient_loss(given[LOSS_TYPES[loss_type][0]], policy_log_probs), {}
     if loss_type == "gspo":
         mask = response_mask.to(policy_log_probs.dtype)
         log_ratio = ((policy_log_probs - old_log_probs) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
@@ -278,8 +251,8 @@ def compute_policy_gradient_loss(
 
 def overlong_penalty(n_tokens: torch.Tensor, max_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13) scaled by `penalty`, added to the reward: 0 up to
-    max_tokens - buffer tokens, then linear down to -penalty at max_tokens: (B,) response lengths -> (B,)."""
-    return -penalty * ((n_tokens - (max_tokens - buffer)) / buffer).clamp(0, 1)
+    max_tokens - buffer tokens, then linear down to -penalty at max_tokens (buffer 0: none): (B,) lengths -> (B,)."""
+    return -penalty * ((n_tokens - (max_tokens - buffer)) / max(buffer, 1)).clamp(0, 1)
 
 
 def compute_k3_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
@@ -287,20 +260,6 @@ def compute_k3_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -
     tokens sampled from the policy: (B, T). Unbiased, >= 0, 0 exactly where the two agree."""
     log_ratio = ref_log_probs - policy_log_probs
     return torch.exp(log_ratio) - log_ratio - 1
-
-
-def compute_truncated_is_weights(
-    old_log_probs: torch.Tensor, engine_log_probs: torch.Tensor, cap: float
-) -> torch.Tensor:  # fmt: skip
-    """w_t = min(p_old(o_t) / p_engine(o_t), cap), detached: (B, T) -> (B, T). The engine sampled o_t in its own
-    numerics (bf16), not from the p_old the loss assumes: w_t reweights to p_old, the cap bounds the variance."""
-    return torch.exp(old_log_probs - engine_log_probs).clamp(max=cap).detach()
-
-
-def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `tensor` over the elements where mask is 1, along `dim` (all elements if None)."""
-    masked = tensor * mask
-    return masked.sum() / mask.sum() if dim is None else masked.sum(dim=dim) / mask.sum(dim=dim)
 
 
 LOSS_AGGREGATIONS = ("sequence_mean", "token_mean", "constant")
@@ -316,8 +275,9 @@ def grpo_microbatch_train_step(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """This microbatch's share of the batch loss; calls backward(). Returns it (detached) and per-token metadata.
     Log-probs and response_mask (B, T); raw_rewards, advantages (B, 1) or (B,). The per-token loss
-    l_it = v_it pg_it + beta k3_it (v_it the truncated importance weight, 1 without is_cap) is aggregated as
-    sum_it w_it l_it over the response tokens, with the weights of the WHOLE batch (N responses):
+    l_it = v_it pg_it + beta k3_it (v_it = min(p_old / p_engine, is_cap), detached: the engine sampled in its own
+    numerics, bf16, not from p_old; 1 without is_cap) is aggregated as sum_it w_it l_it over the response tokens,
+    with the weights of the WHOLE batch (N responses):
         sequence_mean  w_it = 1 / (N |o_i|): mean over each response's tokens, then over responses (GRPO, CS336).
                        Every response weighs the same, so a token of a long wrong answer is penalised less.
         token_mean     w_it = 1 / n_batch_tokens: one mean over all tokens (DAPO; TRL's and verl's default).
@@ -339,7 +299,7 @@ def grpo_microbatch_train_step(
         metadata["engine_gap"] = (old_log_probs - engine_log_probs).abs()
         if is_cap is not None:
             metadata["above_is_cap"] = old_log_probs - engine_log_probs > math.log(is_cap)
-            per_token_loss = per_token_loss * compute_truncated_is_weights(old_log_probs, engine_log_probs, is_cap)
+            per_token_loss = per_token_loss * torch.exp(old_log_probs - engine_log_probs).clamp(max=is_cap).detach()
     if beta > 0:
         kl = compute_k3_kl(policy_log_probs, ref_log_probs)  # (B, T)
         per_token_loss = per_token_loss + beta * kl
@@ -363,92 +323,59 @@ def groups_with_signal(raw_rewards: torch.Tensor, group_size: int, loss_type: st
     return rewards.std(dim=1) > 0
 
 
-def make_scheduler(optimizer, lr_schedule: str, warmup_steps: int, n_grpo_steps: int, updates_per_step: int):
-    """Linear warmup over the first warmup_steps GRPO steps, then constant or a cosine to 0 at the last one; counted
-    in optimizer steps (updates_per_step per GRPO step)."""
-    warmup, total = warmup_steps * updates_per_step, n_grpo_steps * updates_per_step
-    if lr_schedule == "cosine":
-        return get_cosine_schedule_with_warmup(optimizer, warmup, total)
-    return get_constant_schedule_with_warmup(optimizer, warmup)
-
-
 def catch_up_scheduler(scheduler, n_steps_done: int, updates_per_step: int) -> None:
     """Step the schedule over the optimizer steps a GRPO step did not take (no signal, a non-finite update): else a
     cosine never reaches 0."""
-    with warnings.catch_warnings():  # stepping a schedule with no optimizer step is the point here
-        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+    with warnings.catch_warnings(action="ignore"):  # torch warns of a schedule step with no optimizer step: the point
         while scheduler.last_epoch < n_steps_done * updates_per_step:
             scheduler.step()
 
 
-# --- ALGORITHM: rollouts as training tensors, and the update ---
+# --- ALGORITHM: rollouts as training tensors, the update; GRPO's bookkeeping (arguments, rollouts.jsonl, metrics) ---
 
 
-def response_values(response_mask: torch.Tensor, values: list[list[float]]) -> torch.Tensor:
-    """Per-response-token values (one list per row, in token order) laid out like the labels: (B, T), 0 elsewhere."""
-    out = torch.zeros(response_mask.shape)  # (B, T)
-    out[response_mask] = torch.tensor([v for row in values for v in row])  # row-major: each row's tokens in order
-    return out
-
-
-def microbatches(rows: list[int], lengths: list[int], size: int) -> list[list[int]]:
-    """Rows in microbatches of `size`, sorted by length so each pads little (the loss weights are the batch's)."""
+def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, device: str):
+    """Yields (rows, their (b, t) tensors): these rows of (B, T) tensors in microbatches of `size`, sorted by length so
+    each pads little, each cut to its longest sequence (the padding is on the right) and moved to `device`."""
     rows = sorted(rows, key=lambda i: lengths[i])
-    return [rows[i : i + size] for i in range(0, len(rows), size)]
-
-
-def take_rows(tensors: dict, rows: list[int], lengths: list[int], device: str) -> dict:
-    """These rows of (B, T) tensors, cut to their longest sequence (the padding is on the right), on `device`."""
-    width = max(lengths[i] for i in rows)
-    index = torch.tensor(rows)
-    return {k: v[index, :width].to(device) for k, v in tensors.items()}
+    for chunk in (rows[i : i + size] for i in range(0, len(rows), size)):
+        width = max(lengths[i] for i in chunk)
+        yield chunk, {k: v[torch.tensor(chunk), :width].to(device) for k, v in tensors.items()}
 
 
 def frozen_log_probs(model, batch: dict, lengths: list[int], microbatch_size: int, temperature: float) -> torch.Tensor:
-    """log p of every label of a padded batch (n, T) under `model`, without gradient: a frozen model's (the old
-    policy, the reference model, a teacher)."""
+    """log p of every label of a padded batch (n, T) under a frozen `model` (old policy, reference, teacher)."""
     device = next(model.parameters()).device
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     log_probs = torch.zeros(batch["labels"].shape, device=device)  # (n, T)
-    for rows in microbatches(list(range(len(lengths))), lengths, microbatch_size):
-        micro = take_rows(batch, rows, lengths, str(device))
+    for rows, micro in microbatches(batch, list(range(len(lengths))), lengths, microbatch_size, str(device)):
         with torch.no_grad(), autocast:
             out = get_response_log_probs(model, micro["input_ids"], micro["labels"], False, temperature)
         log_probs[rows, : micro["labels"].shape[1]] = out["log_probs"].float()
     return log_probs
 
 
-def add_masked_sums(sums: dict, mask: torch.Tensor, **per_token: torch.Tensor) -> None:
-    """sums[key] += each (B, T) tensor summed over the response tokens; sums["tokens"] += their count. Kept on the
-    device: an .item() per microbatch would wait for the GPU."""
-    for key, tensor in {**per_token, "tokens": torch.ones_like(mask)}.items():
-        sums[key] = sums.get(key, 0.0) + (tensor * mask).sum(dtype=torch.float32)
-
-
 def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths: list[int], args: Args, step: int,
                   autocast, n_bad_in_a_row: int) -> tuple[dict, int]:  # fmt: skip
-    """Epochs over a rollout batch (input_ids, labels, response_mask, engine_log_probs (n, T); advantages,
-    raw_rewards (n,)), an optimizer step per minibatch, gradients accumulated over microbatches. Returns the sums
-    of add_masked_sums and the count of non-finite updates in a row: the third stops the run."""
+    """Epochs over a rollout batch (input_ids, labels, response_mask, engine_log_probs (n, T); advantages, raw_rewards
+    (n,)), an optimizer step per minibatch, gradients accumulated over microbatches. Returns the sums (per-token
+    metadata summed over the response tokens) and the count of non-finite updates in a row: the third stops the run."""
     device = next(policy.parameters()).device
     tensors = {k: batch[k] for k in ("input_ids", "labels", "response_mask", "engine_log_probs")}
     advantages, raw_rewards = batch["advantages"].to(device), batch["raw_rewards"].to(device)
     n_minibatches = args.rollout_batch_size // args.train_batch_size
     sums = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "positions": sum(lengths) + len(lengths)}
     # Old and reference log-probs: once per rollout batch, before the first optimizer step.  (n, T) each
-    old_log_probs = ref_log_probs = None
-    if args.loss_type in ("grpo_clip", "gspo", "cispo") and n_minibatches * args.epochs_per_rollout_batch > 1:
-        old_log_probs = frozen_log_probs(policy, tensors, lengths, args.microbatch_size, args.temperature)
-    if reference is not None:
-        ref_log_probs = frozen_log_probs(reference, tensors, lengths, args.microbatch_size, args.temperature)
+    frozen = lambda model: frozen_log_probs(model, tensors, lengths, args.microbatch_size, args.temperature)
+    off_policy = "old_log_probs" in LOSS_TYPES[args.loss_type] and n_minibatches * args.epochs_per_rollout_batch > 1
+    old_log_probs = frozen(policy) if off_policy else None
+    ref_log_probs = frozen(reference) if reference is not None else None
     for epoch in range(args.epochs_per_rollout_batch):
         order = np.random.default_rng([args.seed, step, epoch]).permutation(len(lengths))
         for minibatch in [part.tolist() for part in np.array_split(order, n_minibatches) if len(part)]:
             n_tokens = int(tensors["response_mask"][minibatch].sum())
-            micro_list = microbatches(minibatch, lengths, args.microbatch_size)
-            update_loss = torch.zeros((), device=device)
-            for rows in micro_list:
-                micro = take_rows(tensors, rows, lengths, str(device))
+            n_micro, update_loss = math.ceil(len(minibatch) / args.microbatch_size), torch.zeros((), device=device)
+            for rows, micro in microbatches(tensors, minibatch, lengths, args.microbatch_size, str(device)):
                 with autocast:
                     out = get_response_log_probs(policy, micro["input_ids"], micro["labels"], True, args.temperature)
                 width = micro["labels"].shape[1]
@@ -456,16 +383,18 @@ def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths:
                 # are the old ones (ratio 1, the same gradient) at no extra forward pass.
                 old = out["log_probs"].detach() if old_log_probs is None else old_log_probs[rows, :width]
                 loss, metadata = grpo_microbatch_train_step(
-                    out["log_probs"], micro["response_mask"], len(micro_list), args.loss_type,
+                    out["log_probs"], micro["response_mask"], n_micro, args.loss_type,
                     raw_rewards=raw_rewards[rows], advantages=advantages[rows], old_log_probs=old,
                     cliprange=(args.clip_low, args.clip_high), loss_aggregation=args.loss_aggregation,
                     n_batch_sequences=len(minibatch), n_batch_tokens=n_tokens, normalize_constant=args.max_tokens,
                     ref_log_probs=None if ref_log_probs is None else ref_log_probs[rows, :width], beta=args.beta,
                     engine_log_probs=micro["engine_log_probs"], is_cap=args.vllm_importance_sampling_cap,
                 )  # fmt: skip
-                update_loss += loss  # on the device: no host sync per microbatch
-                metadata.pop("ratio", None)
-                add_masked_sums(sums, micro["response_mask"], entropy=out["token_entropy"], **metadata)
+                # Summed over the response tokens, on the device: an .item() per microbatch would wait for the GPU.
+                update_loss, mask = update_loss + loss, micro["response_mask"]
+                per_token = {"entropy": out["token_entropy"], "tokens": torch.ones_like(mask), **metadata}
+                for key, tensor in per_token.items():
+                    sums[key] = sums.get(key, 0.0) + (tensor * mask).sum(dtype=torch.float32)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             update_loss, grad_norm = torch.stack([update_loss, grad_norm]).tolist()  # the update's one sync
             finite = math.isfinite(update_loss) and math.isfinite(grad_norm)
@@ -483,9 +412,6 @@ def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths:
                               "update skipped", stacklevel=2)  # fmt: skip
             optimizer.zero_grad(set_to_none=True)
     return sums, n_bad_in_a_row
-
-
-# --- PLUMBING: GRPO's bookkeeping (arguments, rollouts.jsonl, metrics) ---
 
 
 def check_args(args: Args) -> None:
@@ -506,27 +432,15 @@ def check_args(args: Args) -> None:
         raise ValueError(bad[0])
 
 
-def score_responses(completions: list, examples: list[dict], args: Args) -> list[dict]:
-    """The verifier's reward dicts of group_size responses per example (one score_batch), with the overlong penalty."""
-    ground_truths = [ex for ex in examples for _ in range(args.group_size)]
-    scores = verifiers.score_batch([c.text for c in completions], ground_truths)
-    if not args.overlong_buffer:
-        return scores
-    n_tokens = torch.tensor([len(c.token_ids) for c in completions])
-    pens = overlong_penalty(n_tokens, args.max_tokens, args.overlong_buffer, args.overlong_penalty).tolist()
-    return [{**score, "reward": score["reward"] + pen} for score, pen in zip(scores, pens, strict=True)]
-
-
 def write_rollouts(path: Path, step: int, examples, prompts, completions, rewards, advantages, trained, group_size):
     """One line per group in rollouts.jsonl: question, responses, rewards, advantages, which ones were trained on."""
     groups = [range(j * group_size, (j + 1) * group_size) for j in range(len(examples))]
     append_jsonl(path, [{"step": step, "dataset": ex["dataset"], "id": ex["id"], "answer": ex["answer"],
                          "prompt": prompt, "responses": [completions[i].text for i in group],
-                         "rewards": [rewards[i].item() for i in group],
+                         "rewards": [rewards[i].item() for i in group], "trained": [i in trained for i in group],
                          "advantages": [advantages[i].item() for i in group],
                          "n_tokens": [len(completions[i].token_ids) for i in group],
-                         "finish_reasons": [completions[i].finish_reason for i in group],
-                         "trained": [i in trained for i in group]}
+                         "finish_reasons": [completions[i].finish_reason for i in group]}
                         for ex, prompt, group in zip(examples, prompts, groups, strict=True)])  # fmt: skip
 
 
@@ -542,16 +456,11 @@ def step_metrics(reward_metadata: dict, completions: list, n_trained: int, sums:
     if on_device:  # one host sync for all of them
         sums = {**sums, **dict(zip(on_device, torch.stack([sums[k] for k in on_device]).tolist(), strict=True))}
     lengths = [len(c.token_ids) for c in completions]
-    metrics = {
-        **{f"rollout/{key}": value for key, value in reward_metadata.items()},
-        "rollout/response_length": float(np.mean(lengths)),
-        "rollout/response_length_max": max(lengths),
-        "rollout/truncation_rate": float(np.mean([c.finish_reason == "length" for c in completions])),
-        "rollout/n_trained": n_trained,
-        "rollout/tokens_per_second": sum(lengths) / extra["time/generate"],
-        "train/n_updates": sums["updates"],
-        **extra,
-    }
+    metrics = {**{f"rollout/{key}": value for key, value in reward_metadata.items()},
+               "rollout/response_length": float(np.mean(lengths)), "rollout/response_length_max": max(lengths),
+               "rollout/truncation_rate": float(np.mean([c.finish_reason == "length" for c in completions])),
+               "rollout/n_trained": n_trained, "rollout/tokens_per_second": sum(lengths) / extra["time/generate"],
+               "train/n_updates": sums["updates"], **extra}  # fmt: skip
     if sums["updates"]:
         metrics["train/loss"] = sums["loss"] / sums["updates"]  # ~0 on-policy while the gradient is not
         metrics["train/grad_norm"] = sums["grad_norm"] / sums["updates"]
@@ -686,8 +595,7 @@ def log_generations(policy, tokenizer, records: list[dict], policy_device: str) 
         out.append({**record, "mean_token_entropy": masked_normalize(entropy, batch["response_mask"], n_tokens).item()})
     lengths = lambda correct: mean([r["n_tokens"] for r in out if (r["reward"]["reward"] == 1) == correct])
     return {"eval/sample_token_entropy": mean([r["mean_token_entropy"] for r in out]),
-            "eval/sample_length": mean([r["n_tokens"] for r in out]),
-            "eval/sample_length_correct": lengths(True),
+            "eval/sample_length": mean([r["n_tokens"] for r in out]), "eval/sample_length_correct": lengths(True),
             "eval/sample_length_incorrect": lengths(False)}, out  # fmt: skip
 
 
@@ -827,21 +735,21 @@ def main(args: Args) -> Path:
     # is free, then keeps it; the trainer (which allocates as it goes) gets the rest.
     llm = init_vllm(model_path, vllm_device, args.seed, memory_fraction, max_model_len)
     policy, autocast = load_policy(model_path, policy_device, args.gradient_checkpointing, args.seed)
-    reference = None
-    if args.beta > 0:  # the KL penalty's reference: the frozen starting model, also after --resume
-        ref_dtype = torch.bfloat16 if policy_device.startswith("cuda") else torch.float32  # frozen: bf16 saves 3.2 GiB
-        reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=ref_dtype).to(policy_device)
-        reference.requires_grad_(False)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # The KL penalty's reference: the starting model (also after --resume), frozen: bf16 on a GPU saves 3.2 GiB
+    dtype = torch.bfloat16 if policy_device.startswith("cuda") else torch.float32
+    reference = (AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(policy_device).requires_grad_(False)
+                 if args.beta > 0 else None)  # fmt: skip
     # logprobs=0: the engine also returns each sampled token's log-prob (free), for the mismatch correction
-    sampling = dict(n=args.group_size, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+    sampling = dict(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens,
                     include_stop_str_in_output=True, logprobs=0)  # fmt: skip
     probe_prompts = make_probe_prompts(tokenizer, [task.prompt(ex) + ex["solution"] for ex in task.train[:8]])
 
     # --- Optimizer and resume ---
     updates_per_step = args.rollout_batch_size // args.train_batch_size * args.epochs_per_rollout_batch
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
-    scheduler = make_scheduler(optimizer, args.lr_schedule, args.warmup_steps, args.n_grpo_steps, updates_per_step)
+    # Linear warmup, then constant or a cosine to 0 at the last GRPO step, counted in optimizer steps
+    scheduler = get_scheduler("cosine" if args.lr_schedule == "cosine" else "constant_with_warmup", optimizer,
+                              args.warmup_steps * updates_per_step, args.n_grpo_steps * updates_per_step)  # fmt: skip
     start_step = resume_from(run_dir, optimizer, scheduler, "rollouts.jsonl")
     log = make_logger(run_dir, args)
     gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)  # the engine follows from step 0 on
@@ -854,17 +762,19 @@ def main(args: Args) -> Path:
     for step in range(start_step, args.n_grpo_steps):
         t_step = time.time()
         # --- 1. Generate and score: group_size responses to each of the step's questions; --dynamic-sampling draws
-        # more questions until n_prompts groups have a reward signal (DAPO), at most --max-draws times ---
+        # more (DAPO; draw d from (seed + d * 1_000_003, step): --resume replays it) until n_prompts have a signal ---
         examples, prompts, outputs, scores, t_score = [], [], [], [], 0.0
         for draw in range(args.max_draws if args.dynamic_sampling else 1):
-            # draw d derives from (seed + d * 1_000_003, step): --resume replays it; a curriculum asks its own again
             drawn, seeds = task.questions(n_prompts, args.group_size, args.seed + draw * 1_000_003, step)
             examples, prompts = examples + drawn, prompts + [task.prompt(ex) for ex in drawn]
             params = [SamplingParams(**sampling, stop=task.stop(e), seed=s) for e, s in zip(drawn, seeds, strict=True)]
             with engine_device(vllm_device):
                 outputs += llm.generate(prompts[-n_prompts:], params, use_tqdm=False)
-            t0 = time.time()
-            scores += score_responses([c for output in outputs[-n_prompts:] for c in output.outputs], drawn, args)
+            t0, new = time.time(), [c for output in outputs[-n_prompts:] for c in output.outputs]
+            verdicts = verifiers.score_batch([c.text for c in new], [e for e in drawn for _ in range(args.group_size)])
+            penalties = overlong_penalty(torch.tensor([len(c.token_ids) for c in new]), args.max_tokens,
+                                         args.overlong_buffer, args.overlong_penalty).tolist()  # fmt: skip
+            scores += [{**v, "reward": v["reward"] + pen} for v, pen in zip(verdicts, penalties, strict=True)]
             t_score += time.time() - t0
             rewards = torch.tensor([score["reward"] for score in scores])
             if groups_with_signal(rewards, args.group_size, args.loss_type).sum() >= n_prompts:
@@ -876,15 +786,11 @@ def main(args: Args) -> Path:
         engine_lps = [[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)] for c in completions]
         t_generate = time.time() - t_step - t_score
 
-        # --- 2. Advantages within each group ---
+        # --- 2. Advantages within each group (scored above: the reward_fn hands back each response's score) ---
         t0 = time.time()
-        ground_truths = [ex for ex in examples for _ in range(args.group_size)]
-        scores = iter(scores)
         advantages, raw_rewards, reward_metadata = compute_group_normalized_rewards(
-            lambda response, example: next(scores),  # noqa: B023 (called here, in this step)
-            [c.text for c in completions], ground_truths, args.group_size, args.advantage_eps,
-            args.normalize_by_std,
-        )  # fmt: skip
+            lambda _, score: score, [c.text for c in completions], scores, args.group_size, args.advantage_eps,
+            args.normalize_by_std)  # fmt: skip
         has_signal = groups_with_signal(raw_rewards, args.group_size, args.loss_type)  # (n_groups,)
         if args.dynamic_sampling:  # DAPO: the first n_prompts groups with a signal fill the batch
             has_signal &= has_signal.cumsum(0) <= n_prompts
@@ -899,8 +805,9 @@ def main(args: Args) -> Path:
         t0 = time.time()
         sums = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "positions": 0}
         if rows:
-            batch = collate_token_ids([prompt_ids[i] for i in rows], [completions[i].token_ids for i in rows], pad_id)
-            batch["engine_log_probs"] = response_values(batch["response_mask"], [engine_lps[i] for i in rows])
+            batch = collate_token_ids([prompt_ids[i] for i in rows], [completions[i].token_ids for i in rows], 0)
+            batch["engine_log_probs"] = torch.zeros(batch["response_mask"].shape)  # (n, T), laid out like the labels
+            batch["engine_log_probs"][batch["response_mask"]] = torch.tensor([v for i in rows for v in engine_lps[i]])
             batch["advantages"], batch["raw_rewards"] = advantages[rows], raw_rewards[rows]  # (n,) each
             lengths = [len(prompt_ids[i]) + len(completions[i].token_ids) - 1 for i in rows]  # unpadded positions
             sums, n_bad_in_a_row = update_policy(policy, reference, optimizer, scheduler, batch, lengths, args, step,
@@ -916,8 +823,8 @@ def main(args: Args) -> Path:
         # --- 5. Log, evaluate, save ---
         step_done = step + 1
         extra = {"train/lr": scheduler.get_last_lr()[0], "reload/logprob_gap": gap, "time/generate": t_generate,
-                 "rollout/n_draws": len(outputs) // n_prompts,
-                 "time/score": t_score, "time/train": t_train, "time/reload": t_reload}  # fmt: skip
+                 "rollout/n_draws": len(outputs) // n_prompts, "time/score": t_score, "time/train": t_train,
+                 "time/reload": t_reload}  # fmt: skip
         metrics = step_metrics(reward_metadata, completions, len(rows), sums, extra, args)
         metrics.update(task.rollout_metrics(examples, raw_rewards.view(-1, args.group_size).tolist()))
         if step_done % args.eval_every == 0 or step_done == args.n_grpo_steps:

@@ -121,9 +121,8 @@ def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tenso
     return torch.cat(chunks).reshape(logits.shape[:-1])
 
 
-def get_response_log_probs(
-    model, input_ids: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool = False, temperature: float = 1.0
-) -> dict[str, torch.Tensor]:
+def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool = False,
+                           temperature: float = 1.0) -> dict[str, torch.Tensor]:  # fmt: skip
     """log p(labels[t] | input_ids[:t+1]): (B, T) -> {"log_probs": (B, T)}, and "token_entropy" (B, T). The logits
     are divided by `temperature` as the engine's are when it samples (grpo.py needs it; SFT uses 1)."""
     logits = model(input_ids).logits.float()  # (B, T, V); float32 even under bf16 autocast
@@ -137,9 +136,8 @@ def get_response_log_probs(
     return out
 
 
-def masked_normalize(
-    tensor: torch.Tensor, mask: torch.Tensor, normalize_constant: float, dim: int | None = None
-) -> torch.Tensor:
+def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, normalize_constant: float,
+                     dim: int | None = None) -> torch.Tensor:  # fmt: skip
     """Sum of `tensor` where mask is 1, over `dim` (all dims if None), divided by normalize_constant."""
     masked = tensor * mask
     return (masked.sum() if dim is None else masked.sum(dim=dim)) / normalize_constant
@@ -310,8 +308,7 @@ def log_generations(policy, tokenizer, records: list[dict], policy_device: str) 
         out.append({**record, "mean_token_entropy": masked_normalize(entropy, batch["response_mask"], n_tokens).item()})
     lengths = lambda correct: mean([r["n_tokens"] for r in out if (r["reward"]["reward"] == 1) == correct])
     return {"eval/sample_token_entropy": mean([r["mean_token_entropy"] for r in out]),
-            "eval/sample_length": mean([r["n_tokens"] for r in out]),
-            "eval/sample_length_correct": lengths(True),
+            "eval/sample_length": mean([r["n_tokens"] for r in out]), "eval/sample_length_correct": lengths(True),
             "eval/sample_length_incorrect": lengths(False)}, out  # fmt: skip
 
 

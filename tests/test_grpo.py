@@ -13,9 +13,11 @@ to raise within a few steps. That tests the loop's mechanics, not the verifier (
 import json
 import math
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
+import transformers
 from conftest import interrupted_at_call
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -29,10 +31,8 @@ from grpo import (
     compute_k3_kl,
     compute_naive_policy_gradient_loss,
     compute_policy_gradient_loss,
-    compute_truncated_is_weights,
     groups_with_signal,
     grpo_microbatch_train_step,
-    masked_mean,
 )
 
 # --- compute_group_normalized_rewards ---
@@ -207,14 +207,7 @@ def test_overlong_penalty_by_hand():
     # max 10 tokens, buffer 4, penalty 0.5: free up to 6 tokens, then -0.5 (n - 6) / 4: 8 -> -0.25, 10 -> -0.5.
     n_tokens = torch.tensor([5, 6, 7, 8, 10])
     assert grpo.overlong_penalty(n_tokens, 10, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
-
-
-def test_masked_mean_by_hand():
-    tensor = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
-    mask = torch.tensor([[1, 1, 0], [0, 0, 1]])
-    assert masked_mean(tensor, mask).item() == 3.0  # (1 + 2 + 6) / 3
-    assert masked_mean(tensor, mask, dim=-1).tolist() == [1.5, 6.0]  # (1 + 2) / 2, 6 / 1
-    assert masked_mean(tensor, mask, dim=0).tolist() == [1.0, 2.0, 6.0]
+    assert grpo.overlong_penalty(n_tokens, 10, 0, 0.5).tolist() == [0.0] * 5  # buffer 0: off (10 tokens is the limit)
 
 
 def test_k3_kl():
@@ -259,12 +252,13 @@ def test_aggregation_weights_match_the_docstring_table(aggregation):
 
 
 def test_sequence_mean_default_is_cs336():
-    # With no batch counts given, sequence_mean is CS336's masked_mean(loss, mask, dim=-1).mean() / gas.
+    # With no batch counts given, sequence_mean is CS336's masked_mean(loss, mask, dim=-1).mean() / gas: each row's
+    # mean over its response tokens, then the mean over rows.
     torch.manual_seed(0)
     log_probs = -torch.rand(2, 9)
     log_probs_leaf = log_probs.clone().requires_grad_(True)
     loss, _ = grpo_microbatch_train_step(log_probs_leaf, MASK, 4, "reinforce_with_baseline", advantages=ADVANTAGES)
-    expected = masked_mean(-ADVANTAGES * log_probs, MASK, dim=-1).mean() / 4
+    expected = ((-ADVANTAGES * log_probs * MASK).sum(-1) / MASK.sum(-1)).mean() / 4
     assert loss.item() == pytest.approx(expected.item())
 
 
@@ -329,15 +323,6 @@ def test_kl_penalty_in_the_step():
         train_step(log_probs, beta=0.1)
 
 
-def test_truncated_is_weights_by_hand():
-    # p_old / p_engine = 0.5/0.5, 0.3/0.1, 0.9/0.3, 0.2/0.4 = 1, 3, 3, 0.5; capped at 2: 1, 2, 2, 0.5.
-    old = torch.tensor([[0.5, 0.3], [0.9, 0.2]]).log().requires_grad_(True)
-    engine = torch.tensor([[0.5, 0.1], [0.3, 0.4]]).log()
-    weights = compute_truncated_is_weights(old, engine, cap=2.0)
-    assert torch.allclose(weights, torch.tensor([[1.0, 2.0], [2.0, 0.5]]))
-    assert not weights.requires_grad  # a constant to the gradient
-
-
 def test_is_correction_in_the_step_by_hand():
     # token_mean, -A log p: d loss / d log p_it = -A_i v_it / 11, v the capped weight; the KL term is not weighted.
     torch.manual_seed(0)
@@ -372,7 +357,7 @@ def test_cosine_schedule_reaches_zero_when_updates_are_skipped():
     # 4 GRPO steps of 2 optimizer steps; step 2 trains nothing (no group with signal). The schedule follows GRPO
     # steps: at the end the learning rate is 0, and step 3 starts where an uninterrupted schedule would.
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = grpo.make_scheduler(optimizer, "cosine", 0, 4, 2)
+    scheduler = transformers.get_scheduler("cosine", optimizer, 0, 8)  # as grpo.main makes it
     lrs = []
     for step in range(4):
         for _ in range(0 if step == 1 else 2):
@@ -383,14 +368,18 @@ def test_cosine_schedule_reaches_zero_when_updates_are_skipped():
     assert lrs == pytest.approx(expected) and scheduler.get_last_lr()[0] == pytest.approx(0, abs=1e-12)
 
 
-def test_device_sums_by_hand():
-    # The step's sums stay tensors (no host sync per microbatch); step_metrics reads them all at once.
-    sums = {}
-    mask = torch.tensor([[True, True, False], [True, False, False]])
-    for _ in range(2):
-        grpo.add_masked_sums(sums, mask, entropy=torch.tensor([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]]), clipped=~mask)
-    assert all(torch.is_tensor(v) for v in sums.values())
-    assert {k: v.item() for k, v in sums.items()} == {"entropy": 14.0, "clipped": 0.0, "tokens": 6.0}
+def test_step_metrics_by_hand():
+    # The update's sums stay tensors (no host sync per microbatch); step_metrics reads them all at once and divides
+    # the per-token ones by the token count: entropy 14 over 6 tokens, no token clipped; 2 updates.
+    sums = {"loss": 0.5, "grad_norm": 3.0, "updates": 2, "positions": 12, "entropy": torch.tensor(14.0),
+            "clipped": torch.tensor(0.0), "tokens": torch.tensor(6.0), "ratio": torch.tensor(6.0)}  # fmt: skip
+    completions = [SimpleNamespace(token_ids=[1] * n, finish_reason=r) for n, r in ((3, "stop"), (5, "length"))]
+    extra = {"time/generate": 2.0, "time/train": 4.0}
+    m = grpo.step_metrics({"reward_mean": 0.5}, completions, 2, sums, extra, grpo.Args(epochs_per_rollout_batch=1))
+    assert m["train/entropy"] == pytest.approx(14 / 6) and m["train/clip_fraction"] == 0.0
+    assert (m["train/loss"], m["train/grad_norm"], m["train/n_updates"]) == (0.25, 1.5, 2)
+    assert (m["rollout/response_length"], m["rollout/truncation_rate"], m["rollout/tokens_per_second"]) == (4, 0.5, 4)
+    assert m["train/tokens_per_second"] == 3.0 and m["rollout/reward_mean"] == 0.5  # 12 positions / 4 s
 
 
 def test_chunked_entropy_and_log_probs_at_temperature_one():
@@ -750,7 +739,7 @@ def test_checkpoints_beyond_the_newest_are_deleted_and_resume_uses_the_newest(ti
     policy = grpo.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tokenizer = grpo.AutoTokenizer.from_pretrained(tiny_model_dir)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    scheduler = grpo.get_constant_schedule_with_warmup(optimizer, 0)
+    scheduler = transformers.get_constant_schedule_with_warmup(optimizer, 0)
     for step in range(1, 5):
         policy(torch.tensor([[1, 2, 3]])).logits.sum().backward()
         optimizer.step()
@@ -760,7 +749,7 @@ def test_checkpoints_beyond_the_newest_are_deleted_and_resume_uses_the_newest(ti
     (tmp_path / "checkpoints" / "step_000005.tmp").mkdir()  # a save that was killed: not a checkpoint
     assert [p.name for p in grpo.checkpoints(tmp_path)] == ["step_000003", "step_000004"]
     fresh = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    assert grpo.resume_from(tmp_path, fresh, grpo.get_constant_schedule_with_warmup(fresh, 0)) == 4
+    assert grpo.resume_from(tmp_path, fresh, transformers.get_constant_schedule_with_warmup(fresh, 0)) == 4
     assert fresh.state_dict()["state"][0]["step"].item() == 4  # the optimizer state of the newest checkpoint
     grpo.save_checkpoint(tmp_path, 5, policy, tokenizer, optimizer, scheduler, keep=0)  # 0: keep them all
     assert len(grpo.checkpoints(tmp_path)) == 3
