@@ -46,7 +46,6 @@ class Args:
     resume: str | None = None  # a run folder to continue from its last checkpoint, with its own arguments
     track: bool = False  # also log to Weights & Biases (pip install wandb)
     wandb_project: str = "rlvr-distill"  # the W&B project, with --track
-
     # --- model ---
     model: str = "Qwen/Qwen3-1.7B-Base"  # the student: Hugging Face name or folder (an SFT checkpoint)
     teacher: str = "Qwen/Qwen3-8B"  # the teacher: any causal LM with the student's tokenizer
@@ -54,7 +53,6 @@ class Args:
     vllm_device: str | None = None  # device of the vLLM engine; None: cuda:1 with two GPUs, else the policy's device
     vllm_gpu_memory_utilization: float | None = None  # the engine's share of its GPU; None: 0.85 alone, 0.3 shared
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, about 30% more time
-
     # --- data ---
     dataset: str = "gsm8k"  # gsm8k | math | mbpp | ifeval | synthetic, or a mixture: gsm8k:0.5,math:0.5
     data_dir: str | None = None  # data root, one folder per dataset (../shared/data); None: the hub
@@ -65,7 +63,6 @@ class Args:
     group_size: int = 4  # responses per question (at least 2 with --reward-weight: the group is the baseline)
     temperature: float = 1.0  # sampling temperature; student and teacher divide their logits by it alike
     max_tokens: int = 1024  # max new tokens per response
-
     # --- optim ---
     lr: float = 1e-5  # peak learning rate of AdamW (reached after the warmup)
     weight_decay: float = 0.0  # AdamW weight decay (torch's default, 0.01, would pull even a perfect student away)
@@ -73,7 +70,6 @@ class Args:
     microbatch_size: int = 2  # examples per forward/backward pass (gradients accumulate)
     max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this
     reward_weight: float = 0.0  # w: add w x the verifier's group-normalised reward to every token's advantage
-
     # --- eval ---
     eval_split: str = "val"  # val (or test where there is none) | test
     n_eval: int = 512  # problems evaluated per dataset, greedy, from the start of its eval split

@@ -62,14 +62,12 @@ class Args:
     resume: str | None = None  # a run folder to continue from its last checkpoint
     track: bool = False  # also log to Weights & Biases (pip install wandb)
     wandb_project: str = "rlvr-expert-iter"  # the W&B project, with --track
-
     # --- model ---
     model: str = "Qwen/Qwen3-1.7B-Base"  # Hugging Face name or folder (an sft.py checkpoint)
     policy_device: str | None = None  # device of the trainer; None: cuda:0 if there is a GPU, else cpu
     vllm_device: str | None = None  # device of the vLLM engine; None: cuda:1 with two GPUs, else the policy's device
     vllm_gpu_memory_utilization: float | None = None  # the engine's share of its GPU; None: 0.85 alone, 0.3 shared
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, about 30% more time
-
     # --- data ---
     dataset: str = "gsm8k"  # gsm8k | math | mbpp | synthetic, or a mixture: gsm8k:0.5,math:0.5
     data_dir: str | None = None  # data root, one folder per dataset (../shared/data); None: the hub
@@ -77,7 +75,6 @@ class Args:
     dataset_templates: list[str] = field(default_factory=list)  # e.g. ifeval=question: another template for a dataset
     curriculum: list[str] = field(default_factory=list)  # e.g. mbpp=order.txt: a dataset's questions in a file's order
     max_seq_len: int = 1536  # longest prompt + response trained on, in tokens; longer ones are cut at the end
-
     # --- expert iteration ---
     n_ei_steps: int = 5  # expert-iteration steps: each samples, filters and fine-tunes once
     n_questions: int = 512  # training questions sampled per step (without replacement within a step)
@@ -86,7 +83,6 @@ class Args:
     temperature: float = 1.0  # sampling temperature (0 would make the group_size responses one response)
     top_p: float = 1.0  # nucleus sampling: keep the smallest set of tokens with this much probability
     max_tokens: int = 1024  # max new tokens per sampled response
-
     # --- optim ---
     lr: float = 2e-5  # learning rate of AdamW after warmup (constant)
     weight_decay: float = 0.0  # AdamW weight decay
@@ -94,7 +90,6 @@ class Args:
     batch_size: int = 32  # kept responses per optimizer step (the last batch of an epoch may be smaller)
     microbatch_size: int = 2  # responses per forward/backward pass; the passes of a batch accumulate gradients
     max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this
-
     # --- eval ---
     eval_split: str = "val"  # val (or test where there is none) | test
     n_eval: int = 256  # problems evaluated per dataset, greedy, from the start of its eval split
@@ -162,10 +157,9 @@ def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, normalize_constan
 # --- ALGORITHM: the SFT loss (same in sft.py and expert_iter.py) ---
 
 
-def sft_microbatch_train_step(
-    policy_log_probs: torch.Tensor, response_mask: torch.Tensor, gradient_accumulation_steps: int,
-    normalize_constant: float = 1.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+def sft_microbatch_train_step(policy_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                              gradient_accumulation_steps: int, normalize_constant: float = 1.0,
+                              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """Masked NLL of one microbatch, scaled for gradient accumulation; calls backward(). With policy_log_probs and
     response_mask (B, T): loss = mean_i(-sum_t log p_it mask_it / normalize_constant) / gradient_accumulation_steps."""
     nll_per_sequence = -masked_normalize(policy_log_probs, response_mask, normalize_constant, dim=-1)  # (B,)
@@ -174,9 +168,8 @@ def sft_microbatch_train_step(
     return loss, {"nll_per_sequence": nll_per_sequence.detach()}
 
 
-def sft_batch_train_step(
-    policy, tokenizer, batch: list[dict], microbatch_size: int, max_seq_len: int, autocast, entropy: bool = False
-) -> dict:
+def sft_batch_train_step(policy, tokenizer, batch: list[dict], microbatch_size: int, max_seq_len: int, autocast,
+                         entropy: bool = False) -> dict:  # fmt: skip
     """Accumulate the gradient of one batch's mean NLL per response token over its microbatches (the last may be
     short). batch: {"prompt", "response"}, responses ending in EOS. Returns loss, n_response_tokens (, entropy_sum)."""
     tokenized = tokenize_prompt_and_output([p["prompt"] for p in batch], [p["response"] for p in batch], tokenizer)

@@ -15,7 +15,6 @@ Usage:
     python sft.py --model Qwen/Qwen3-1.7B-Base                     # GSM8K solutions, R1-Zero template, 2 GPUs
     python sft.py --model runs/tiny-qwen3 --dataset synthetic --batch-size 16 --lr 1e-3   # CPU, tiny model
     python sft.py --sft-file traces.jsonl --dataset gsm8k          # your own {"prompt", "response"} pairs
-    python sft.py --resume runs/sft__1__1763700000                 # continue a stopped run where it stopped
     python sft.py --dataset gsm8k:0.5,math:0.25,mbpp:0.25 --data-dir ../shared/data   # a mixture: docs/tasks.md
 """
 
@@ -51,14 +50,12 @@ class Args:
     resume: str | None = None  # a run folder to continue from its last checkpoint
     track: bool = False  # also log to Weights & Biases (pip install wandb)
     wandb_project: str = "rlvr-sft"  # the W&B project, with --track
-
     # --- model ---
     model: str = "Qwen/Qwen3-1.7B-Base"  # Hugging Face model name or local model folder to fine-tune
     policy_device: str | None = None  # device of the trainer; None: cuda:0 if there is a GPU, else cpu
     vllm_device: str | None = None  # device of the vLLM engine; None: cuda:1 with two GPUs, else the policy's device
     vllm_gpu_memory_utilization: float | None = None  # the engine's share of its GPU; None: 0.85 alone, 0.3 shared
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, about 30% more time
-
     # --- data ---
     dataset: str = "gsm8k"  # gsm8k | math | mbpp | synthetic, or a mixture: gsm8k:0.5,math:0.5
     data_dir: str | None = None  # data root, one folder per dataset (../shared/data); None: the hub
@@ -68,7 +65,6 @@ class Args:
     n_examples: int | None = None  # train on the first n examples (of a mixture, n in all); None: all
     filter_correct: bool = False  # keep only training responses whose final answer the verifier accepts
     max_seq_len: int = 1024  # longest prompt + response in tokens; longer examples are cut at the end (and counted)
-
     # --- optim ---
     lr: float = 2e-5  # peak learning rate of AdamW
     weight_decay: float = 0.0  # AdamW weight decay
@@ -77,7 +73,6 @@ class Args:
     batch_size: int = 32  # examples per optimizer step
     microbatch_size: int = 2  # examples per forward/backward pass (gradients accumulate)
     max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this
-
     # --- eval ---
     eval_split: str = "val"  # val (or test where there is none) | test
     n_eval: int = 256  # problems evaluated per dataset, greedy, from the start of its eval split
@@ -146,10 +141,9 @@ def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, normalize_constan
 # --- ALGORITHM: the SFT loss (same in sft.py and expert_iter.py) ---
 
 
-def sft_microbatch_train_step(
-    policy_log_probs: torch.Tensor, response_mask: torch.Tensor, gradient_accumulation_steps: int,
-    normalize_constant: float = 1.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+def sft_microbatch_train_step(policy_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                              gradient_accumulation_steps: int, normalize_constant: float = 1.0,
+                              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """Masked NLL of one microbatch, scaled for gradient accumulation; calls backward(). With policy_log_probs and
     response_mask (B, T): loss = mean_i(-sum_t log p_it mask_it / normalize_constant) / gradient_accumulation_steps."""
     nll_per_sequence = -masked_normalize(policy_log_probs, response_mask, normalize_constant, dim=-1)  # (B,)
@@ -158,9 +152,8 @@ def sft_microbatch_train_step(
     return loss, {"nll_per_sequence": nll_per_sequence.detach()}
 
 
-def sft_batch_train_step(
-    policy, tokenizer, batch: list[dict], microbatch_size: int, max_seq_len: int, autocast, entropy: bool = False
-) -> dict:
+def sft_batch_train_step(policy, tokenizer, batch: list[dict], microbatch_size: int, max_seq_len: int, autocast,
+                         entropy: bool = False) -> dict:  # fmt: skip
     """Accumulate the gradient of one batch's mean NLL per response token over its microbatches (the last may be
     short). batch: {"prompt", "response"}, responses ending in EOS. Returns loss, n_response_tokens (, entropy_sum)."""
     tokenized = tokenize_prompt_and_output([p["prompt"] for p in batch], [p["response"] for p in batch], tokenizer)
@@ -429,16 +422,6 @@ def make_logger(run_dir: Path, args):
     return log
 
 
-# --- PLUMBING: evaluating while training goes on (sft.py's own) ---
-
-
-def reload_and_evaluate(policy, llm: LLM, tokenizer, task, args, devices, run_dir, step, probe_prompts, reload_tol):
-    """Load the policy into the engine, check that it follows, evaluate: (metrics, step). In the background, policy is
-    a frozen copy of step's weights (one more policy in memory: 6.8 GB for Qwen3-1.7B in fp32)."""
-    gap = reload_and_check(policy, llm, probe_prompts, devices[1], reload_tol)
-    return {**evaluate(llm, policy, tokenizer, task, args, devices, run_dir, step), "reload/logprob_gap": gap}, step
-
-
 def main(args: Args) -> Path:
     args = restore_args(args)  # --resume: the stopped run's arguments
     task = data.load_task(args, train=False)  # a bad spec stops here, before the engine starts
@@ -470,15 +453,15 @@ def main(args: Args) -> Path:
     devices, evaluator, evaluation = (policy_device, vllm_device), ThreadPoolExecutor(max_workers=1), None
     background = vllm_device != policy_device if args.eval_in_background is None else args.eval_in_background
 
+    def reload_and_evaluate(policy, step: int) -> tuple[dict, int]:  # in the background, a frozen copy of the policy
+        gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)  # (+6.8 GB for Qwen3-1.7B fp32)
+        return {**evaluate(llm, policy, tokenizer, task, args, devices, run_dir, step), "reload/logprob_gap": gap}, step
+
     def start_evaluation(step: int):  # returns the evaluation left in flight: in the background, this one
         if evaluation:  # the engine keeps step s's weights until its evaluation is done
             log(*evaluation.result())
-        snapshot = copy.deepcopy(policy) if background else policy
-        future = evaluator.submit(reload_and_evaluate, snapshot, llm, tokenizer, task, args, devices, run_dir, step,
-                                  probe_prompts, reload_tol)  # fmt: skip
-        if background:
-            return future
-        log(*future.result())
+        future = evaluator.submit(reload_and_evaluate, copy.deepcopy(policy) if background else policy, step)
+        return future if background else log(*future.result())
 
     if start_step == 0:
         evaluation = start_evaluation(0)
@@ -495,13 +478,8 @@ def main(args: Args) -> Path:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step_done = step + 1
-        metrics = {
-            "train/loss": out["loss"],  # mean NLL per response token of this batch
-            "train/grad_norm": grad_norm,
-            "train/lr": scheduler.get_last_lr()[0],
-            "train/response_tokens": out["n_response_tokens"],
-            "time/step": time.time() - t0,
-        }
+        metrics = {"train/loss": out["loss"], "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0],
+                   "train/response_tokens": out["n_response_tokens"], "time/step": time.time() - t0}  # fmt: skip
         print(f"step {step_done:5d}/{n_steps} | loss {out['loss']:.4f} | grad norm {grad_norm:.3f} | "
               f"lr {metrics['train/lr']:.2e} | {metrics['time/step']:.2f} s")  # fmt: skip
         log(metrics, step_done)

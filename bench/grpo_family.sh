@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GRPO family table (docs/grpo_family.md): every variant from one SFT checkpoint, the ladder's GRPO settings but
-# --n-grpo-steps $STEPS, seeds in SEEDS; one run folder each under $OUT/<variant>, a log beside it.
+# --n-grpo-steps $STEPS, seeds in SEEDS, the variants in ORDER; one run folder each under $OUT/<variant>, a log beside it.
 # Usage: SFT=runs/ladder__1__.../sft__1__.../checkpoints/step_000625 bash bench/grpo_family.sh
 set -u
 SFT=${SFT:?the SFT checkpoint}; OUT=${OUT:-runs/grpo_family}; STEPS=${STEPS:-10}; SEEDS=${SEEDS:-"1 2 3"}
@@ -9,10 +9,10 @@ declare -A VARIANTS=(
   [grpo_clip_token_mean]="" [grpo_clip_sequence_mean]="--loss-aggregation sequence_mean"
   [grpo_clip_constant]="--loss-aggregation constant" [clip_higher]="--clip-high 0.28" [kl]="--beta 0.04"
   [gspo]="--loss-type gspo --clip-low 3e-4 --clip-high 4e-4" [cispo]="--loss-type cispo --clip-low 1 --clip-high 0.28"
-  [overlong]="--overlong-buffer 16 --overlong-penalty 1"
+  [overlong]="--overlong-buffer 16 --overlong-penalty 1" [dynamic_sampling]="--dynamic-sampling --max-draws 4"
 )
-ORDER="grpo_clip_token_mean gspo cispo reinforce_with_baseline no_baseline grpo_clip_sequence_mean grpo_clip_constant
-clip_higher kl overlong"
+ORDER=${ORDER:-"grpo_clip_token_mean gspo cispo reinforce_with_baseline no_baseline grpo_clip_sequence_mean
+grpo_clip_constant clip_higher kl overlong dynamic_sampling"}
 for seed in $SEEDS; do
   for name in $ORDER; do
     mkdir -p "$OUT/$name"

@@ -376,8 +376,9 @@ def test_background_evaluation_equals_a_foreground_one_of_the_same_weights(tiny_
     (tmp_path / "again").mkdir()
     for step, model in [(0, tiny_model_dir)] + [(int(c.name[5:]), c) for c in sft.checkpoints(run_dir)]:
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).train()
-        metrics, _ = sft.reload_and_evaluate(policy, llm, tokenizer, task, args, ("cpu", "cpu"), tmp_path / "again",
-                                             step, probes, 1e-3)  # fmt: skip
+        gap = sft.reload_and_check(policy, llm, probes, "cpu", 1e-3)  # as main's reload_and_evaluate
+        metrics = {**sft.evaluate(llm, policy, tokenizer, task, args, ("cpu", "cpu"), tmp_path / "again", step),
+                   "reload/logprob_gap": gap}  # fmt: skip
         drop_time = lambda m: {k: v for k, v in m.items() if k not in ("step", "time/eval")}
         assert drop_time(metrics) == drop_time(background[step]), step  # accuracy, entropies, lengths, the gap
     assert [json.loads(line) for line in open(tmp_path / "again" / "generations.jsonl")] == samples
