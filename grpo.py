@@ -27,10 +27,12 @@ Usage:
 """
 
 import contextlib
+import datetime
 import json
 import math
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -39,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from vllm import LLM, SamplingParams
@@ -108,6 +111,7 @@ class Args:
     save_every: int = 50  # checkpoint every this many GRPO steps (and at the end)
     keep_checkpoints: int = 2  # keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all
     reload_tol: float | None = None  # max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16
+    rank_timeout_s: float = 1800  # under torchrun: how long a rank waits for the others before naming them and stopping
 
 
 # --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
@@ -343,74 +347,84 @@ def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, 
         yield chunk, {k: v[torch.tensor(chunk), :width].to(device) for k, v in tensors.items()}
 
 
-def frozen_log_probs(model, batch: dict, lengths: list[int], microbatch_size: int, temperature: float) -> torch.Tensor:
-    """log p of every label of a padded batch (n, T) under a frozen `model` (old policy, reference, teacher)."""
+def frozen_log_probs(model, batch: dict, lengths: list[int], rows: list[int], microbatch_size: int,
+                     temperature: float) -> torch.Tensor:  # fmt: skip
+    """log p of every label of these rows of a padded batch (n, T) under a frozen `model` (old policy, reference,
+    teacher); the other rows' stay 0."""
     device = next(model.parameters()).device
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     log_probs = torch.zeros(batch["labels"].shape, device=device)  # (n, T)
-    for rows, micro in microbatches(batch, list(range(len(lengths))), lengths, microbatch_size, str(device)):
+    for chunk, micro in microbatches(batch, rows, lengths, microbatch_size, str(device)):
         with torch.no_grad(), autocast:
             out = get_response_log_probs(model, micro["input_ids"], micro["labels"], False, temperature)
-        log_probs[rows, : micro["labels"].shape[1]] = out["log_probs"].float()
+        log_probs[chunk, : micro["labels"].shape[1]] = out["log_probs"].float()
     return log_probs
 
 
 def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths: list[int], args: Args, step: int,
                   autocast, n_bad_in_a_row: int) -> tuple[dict, int]:  # fmt: skip
     """Epochs over a rollout batch (input_ids, labels, response_mask, engine_log_probs (n, T); advantages, raw_rewards
-    (n,)), an optimizer step per minibatch, gradients accumulated over microbatches. Returns the sums (per-token
-    metadata summed over the response tokens) and the count of non-finite updates in a row: the third stops the run."""
+    (n,)), an optimizer step per minibatch, gradients accumulated over microbatches; under torchrun each rank trains on
+    every W-th row of a minibatch by length, and the gradients are summed. Returns the sums (per-token metadata summed
+    over the response tokens) and the count of non-finite updates in a row: the third stops the run."""
     device = next(policy.parameters()).device
     tensors = {k: batch[k] for k in ("input_ids", "labels", "response_mask", "engine_log_probs")}
     advantages, raw_rewards = batch["advantages"].to(device), batch["raw_rewards"].to(device)
     n_minibatches = args.rollout_batch_size // args.train_batch_size
     sums = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "positions": sum(lengths) + len(lengths)}
+    orders = [np.random.default_rng([args.seed, step, epoch]).permutation(len(lengths))
+              for epoch in range(args.epochs_per_rollout_batch)]  # the same on every rank
+    plan = [part.tolist() for order in orders for part in np.array_split(order, n_minibatches) if len(part)]
+    mine = lambda minibatch: sorted(minibatch, key=lambda i: lengths[i])[RANK::WORLD_SIZE]  # as many tokens each
     # Old and reference log-probs: once per rollout batch, before the first optimizer step.  (n, T) each
-    frozen = lambda model: frozen_log_probs(model, tensors, lengths, args.microbatch_size, args.temperature)
-    off_policy = "old_log_probs" in LOSS_TYPES[args.loss_type] and n_minibatches * args.epochs_per_rollout_batch > 1
+    my_rows = sorted({i for minibatch in plan for i in mine(minibatch)})
+    frozen = lambda model: frozen_log_probs(model, tensors, lengths, my_rows, args.microbatch_size, args.temperature)
+    off_policy = "old_log_probs" in LOSS_TYPES[args.loss_type] and len(plan) > 1
     old_log_probs = frozen(policy) if off_policy else None
     ref_log_probs = frozen(reference) if reference is not None else None
-    for epoch in range(args.epochs_per_rollout_batch):
-        order = np.random.default_rng([args.seed, step, epoch]).permutation(len(lengths))
-        for minibatch in [part.tolist() for part in np.array_split(order, n_minibatches) if len(part)]:
-            n_tokens = int(tensors["response_mask"][minibatch].sum())
-            n_micro, update_loss = math.ceil(len(minibatch) / args.microbatch_size), torch.zeros((), device=device)
-            for rows, micro in microbatches(tensors, minibatch, lengths, args.microbatch_size, str(device)):
-                with autocast:
-                    out = get_response_log_probs(policy, micro["input_ids"], micro["labels"], True, args.temperature)
-                width = micro["labels"].shape[1]
-                # One optimizer step per rollout batch: the policy IS the old policy, and its own log-probs, detached,
-                # are the old ones (ratio 1, the same gradient) at no extra forward pass.
-                old = out["log_probs"].detach() if old_log_probs is None else old_log_probs[rows, :width]
-                loss, metadata = grpo_microbatch_train_step(
-                    out["log_probs"], micro["response_mask"], n_micro, args.loss_type,
-                    raw_rewards=raw_rewards[rows], advantages=advantages[rows], old_log_probs=old,
-                    cliprange=(args.clip_low, args.clip_high), loss_aggregation=args.loss_aggregation,
-                    n_batch_sequences=len(minibatch), n_batch_tokens=n_tokens, normalize_constant=args.max_tokens,
-                    ref_log_probs=None if ref_log_probs is None else ref_log_probs[rows, :width], beta=args.beta,
-                    engine_log_probs=micro["engine_log_probs"], is_cap=args.vllm_importance_sampling_cap,
-                )  # fmt: skip
-                # Summed over the response tokens, on the device: an .item() per microbatch would wait for the GPU.
-                update_loss, mask = update_loss + loss, micro["response_mask"]
-                per_token = {"entropy": out["token_entropy"], "tokens": torch.ones_like(mask), **metadata}
-                for key, tensor in per_token.items():
-                    sums[key] = sums.get(key, 0.0) + (tensor * mask).sum(dtype=torch.float32)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            update_loss, grad_norm = torch.stack([update_loss, grad_norm]).tolist()  # the update's one sync
-            finite = math.isfinite(update_loss) and math.isfinite(grad_norm)
-            n_bad_in_a_row = 0 if finite else n_bad_in_a_row + 1
-            if finite:
-                optimizer.step()
-                scheduler.step()
-                sums.update(loss=sums["loss"] + update_loss, grad_norm=sums["grad_norm"] + grad_norm,
-                            updates=sums["updates"] + 1)  # fmt: skip
-            elif n_bad_in_a_row >= 3:
-                raise RuntimeError(f"{n_bad_in_a_row} non-finite updates in a row (step {step + 1}): stopping. "
-                                   "Check the rewards and the learning rate.")  # fmt: skip
-            else:
-                warnings.warn(f"step {step + 1}: loss {update_loss} or gradient norm {grad_norm} is not finite; "
-                              "update skipped", stacklevel=2)  # fmt: skip
-            optimizer.zero_grad(set_to_none=True)
+    for minibatch in plan:
+        n_tokens = int(tensors["response_mask"][minibatch].sum())
+        n_micro, update_loss = math.ceil(len(minibatch) / args.microbatch_size), torch.zeros((), device=device)
+        for rows, micro in microbatches(tensors, mine(minibatch), lengths, args.microbatch_size, str(device)):
+            with autocast:
+                out = get_response_log_probs(policy, micro["input_ids"], micro["labels"], True, args.temperature)
+            width = micro["labels"].shape[1]
+            # One optimizer step per rollout batch: the policy IS the old policy, and its own log-probs, detached,
+            # are the old ones (ratio 1, the same gradient) at no extra forward pass.
+            old = out["log_probs"].detach() if old_log_probs is None else old_log_probs[rows, :width]
+            loss, metadata = grpo_microbatch_train_step(
+                out["log_probs"], micro["response_mask"], n_micro, args.loss_type,
+                raw_rewards=raw_rewards[rows], advantages=advantages[rows], old_log_probs=old,
+                cliprange=(args.clip_low, args.clip_high), loss_aggregation=args.loss_aggregation,
+                n_batch_sequences=len(minibatch), n_batch_tokens=n_tokens, normalize_constant=args.max_tokens,
+                ref_log_probs=None if ref_log_probs is None else ref_log_probs[rows, :width], beta=args.beta,
+                engine_log_probs=micro["engine_log_probs"], is_cap=args.vllm_importance_sampling_cap,
+            )  # fmt: skip
+            # Summed over the response tokens, on the device: an .item() per microbatch would wait for the GPU.
+            update_loss, mask = update_loss + loss, micro["response_mask"]
+            per_token = {"entropy": out["token_entropy"], "tokens": torch.ones_like(mask), **metadata}
+            for key, tensor in per_token.items():
+                sums[key] = sums.get(key, 0.0) + (tensor * mask).sum(dtype=torch.float32)
+        sum_over_ranks(policy, update_loss)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        update_loss, grad_norm = torch.stack([update_loss, grad_norm]).tolist()  # the update's one sync
+        finite = math.isfinite(update_loss) and math.isfinite(grad_norm)
+        n_bad_in_a_row = 0 if finite else n_bad_in_a_row + 1
+        if finite:
+            optimizer.step()
+            scheduler.step()
+            sums.update(loss=sums["loss"] + update_loss, grad_norm=sums["grad_norm"] + grad_norm,
+                        updates=sums["updates"] + 1)  # fmt: skip
+        elif n_bad_in_a_row >= 3:
+            raise RuntimeError(f"{n_bad_in_a_row} non-finite updates in a row (step {step + 1}): stopping. "
+                               "Check the rewards and the learning rate.")  # fmt: skip
+        else:
+            warnings.warn(f"step {step + 1}: loss {update_loss} or gradient norm {grad_norm} is not finite; "
+                          "update skipped", stacklevel=2)  # fmt: skip
+        optimizer.zero_grad(set_to_none=True)
+    if RANKS:  # the per-token sums of every rank's rows (a rank with none has no metadata keys)
+        parts = gather([{k: float(v) for k, v in sums.items() if torch.is_tensor(v)}])
+        sums |= {k: sum(part.get(k, 0.0) for part in parts) for part in parts for k in part}
     return sums, n_bad_in_a_row
 
 
@@ -565,7 +579,7 @@ def reload_and_check(policy, llm: LLM, probe_prompts: list[list[int]], device: s
 def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, devices: tuple[str, str], run_dir: Path, step: int):
     """Greedy responses to each dataset's eval examples, scored: metrics per dataset and in all; a few responses go to
     generations.jsonl (log_generations). devices: (trainer's, engine's)."""
-    t0, examples = time.time(), [ex for name in task.names for ex in task.evals[name]]
+    t0, examples = time.time(), my_share([ex for name in task.names for ex in task.evals[name]])  # gathered below
     prompts = [task.prompt(ex) for ex in examples]  # stop strings stay in the output: the verifier reads them
     params = [SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens, stop=task.stop(ex),
                              include_stop_str_in_output=True) for ex in examples]  # fmt: skip
@@ -575,6 +589,7 @@ def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, devices: tuple[
     records = [{"dataset": ex["dataset"], "id": ex["id"], "prompt": prompt, "response": c.text, "answer": ex["answer"],
                 "reward": reward, "n_tokens": len(c.token_ids), "truncated": c.finish_reason == "length"}
                for ex, prompt, c, reward in zip(examples, prompts, completions, rewards, strict=True)]  # fmt: skip
+    records = gather(records)
     sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations], devices[0])
     append_jsonl(run_dir / "generations.jsonl", [{"step": step, **sample} for sample in samples])
     metrics = data.eval_metrics(records)
@@ -604,7 +619,7 @@ def log_generations(policy, tokenizer, records: list[dict], policy_device: str) 
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {"resume", "output_dir", "track", "wandb_project", "policy_device", "vllm_device",
                      "vllm_gpu_memory_utilization", "gradient_checkpointing", "keep_checkpoints",
-                     "reload_tol"}  # fmt: skip
+                     "reload_tol", "rank_timeout_s"}  # fmt: skip
 
 
 def restore_args(args):
@@ -621,19 +636,24 @@ def restore_args(args):
 
 
 def make_run_dir(args) -> Path:
-    """runs/<exp_name>__<seed>__<unix time>, or the folder being resumed, with args.json in it."""
-    run_dir = Path(args.resume or Path(args.output_dir) / f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    """runs/<exp_name>__<seed>__<unix time> (rank 0's time), or the folder being resumed, with args.json in it."""
+    name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.resume or Path(args.output_dir) / gather([name])[0])
+    if RANK == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
     return run_dir
 
 
 def resolve_devices(args) -> tuple[str, str, float, float]:
-    """(trainer's device, engine's, the engine's share of its GPU, reload tolerance). Two GPUs: one each; one GPU:
-    shared; none: both on the CPU, in float32. "cuda" is "cuda:0", so that they compare."""
+    """(trainer's device, engine's, the engine's share of its GPU, reload tolerance). The node's GPUs are dealt out to
+    its ranks (one process: one rank), k each: with k >= 2 a rank's trainer takes its first, its engine the second;
+    with k = 1 they share it; with none, both are on the CPU, in float32. "cuda" is "cuda:0", so that they compare."""
     canonical = lambda d: str(torch.device(d.type, d.index or 0) if (d := torch.device(d)).type == "cuda" else d)
-    policy_device = canonical(args.policy_device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
-    vllm_device = canonical(args.vllm_device or ("cuda:1" if torch.cuda.device_count() > 1 else policy_device))
+    k = torch.cuda.device_count() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun sets LOCAL_*
+    first = int(os.environ.get("LOCAL_RANK", 0)) * k
+    policy_device = canonical(args.policy_device or (f"cuda:{first}" if k else "cpu"))
+    vllm_device = canonical(args.vllm_device or (f"cuda:{first + 1}" if k > 1 else policy_device))
     memory, tol = args.vllm_gpu_memory_utilization, args.reload_tol  # None: the defaults; 0 is a value
     memory = (0.3 if vllm_device == policy_device else 0.85) if memory is None else memory
     return policy_device, vllm_device, memory, (1e-3 if vllm_device == "cpu" else 0.5) if tol is None else tol
@@ -659,7 +679,10 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, keep: int) -> None:
     """checkpoints/step_N: a Hugging Face model folder and trainer_state.pt (no RNG state: all that is random derives
-    from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses nothing. Keeps the newest `keep`."""
+    from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses nothing. Keeps the newest `keep`.
+    Rank 0 writes it: the ranks' weights are the same."""
+    if RANK:
+        return
     final = run_dir / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -685,7 +708,7 @@ def resume_from(run_dir: Path, optimizer, scheduler, *record_files: str) -> int:
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     for path in [run_dir / name for name in ("metrics.jsonl", "generations.jsonl", *record_files)]:
-        if path.exists():
+        if path.exists() and RANK == 0:
             kept = [line for line in path.read_text().splitlines(True) if json.loads(line)["step"] <= state["step"]]
             path.with_name(path.name + ".tmp").write_text("".join(kept))
             os.replace(path.with_name(path.name + ".tmp"), path)
@@ -694,26 +717,74 @@ def resume_from(run_dir: Path, optimizer, scheduler, *record_files: str) -> int:
 
 
 def append_jsonl(path: Path, records: list[dict]) -> None:
+    if RANK:  # the ranks' records are the same, gathered
+        return
     with open(path, "a") as f:
         f.writelines(json.dumps(record) + "\n" for record in records)
 
 
 def make_logger(run_dir: Path, args):
     """log(metrics, step) appends a line to metrics.jsonl (NaN as null: strict JSON) and, with --track, to W&B."""
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
-    if args.track:
+    metrics_file, track = open(run_dir / "metrics.jsonl", "a") if RANK == 0 else None, args.track and RANK == 0
+    if track:
         import wandb
 
         wandb.init(project=args.wandb_project, name=run_dir.name, config=asdict(args), resume="allow")
 
     def log(metrics: dict, step: int) -> None:
+        if RANK:  # rank 0 writes what every rank computed
+            return
         metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
         metrics_file.write(json.dumps({"step": step, **metrics}, allow_nan=False) + "\n")
         metrics_file.flush()
-        if args.track:
+        if track:
             wandb.log(metrics, step=step)
 
     return log
+
+
+# --- PLUMBING: data parallel under torchrun (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+
+RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
+RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others (monitored_barrier)
+
+
+def init_distributed(timeout_s: float) -> None:
+    """Under torchrun, join the other ranks (NCCL between GPUs, gloo on CPU) before the engine starts, else it makes a
+    world of its own; and make the gloo group now, while all are here: that is a collective too. Rank 0 prints."""
+    if WORLD_SIZE > 1:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+        RANKS.update(group=dist.new_group(backend="gloo", timeout=timeout), timeout=timeout)
+        sys.stdout = sys.stdout if RANK == 0 else open(os.devnull, "w")
+
+
+def gather(items: list) -> list:
+    """Every rank's list, concatenated in rank order (alone: the list). First a monitored_barrier: a rank that does not
+    come within the timeout is named ("Rank 1 failed to pass monitoredBarrier"), and the run stops."""
+    if not RANKS:
+        return items
+    dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
+    parts = [None] * WORLD_SIZE
+    dist.all_gather_object(parts, items, group=RANKS["group"])
+    return [item for part in parts for item in part]
+
+
+def my_share(items: list) -> list:
+    """This rank's contiguous share of a list every rank holds: rank r of W takes [r n / W, (r + 1) n / W)."""
+    return items[RANK * len(items) // WORLD_SIZE : (RANK + 1) * len(items) // WORLD_SIZE]
+
+
+def sum_over_ranks(model, *tensors: torch.Tensor) -> None:
+    """Sum the model's gradients and these tensors over the ranks, in place, after a monitored_barrier. Each rank
+    divided its loss by the global count, so the sums are one process's. DDP's all_reduce by hand: its hooks need as
+    many backward passes on every rank, and its wrapper renames the weights (module.*) that the reload matches."""
+    if RANKS:
+        dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # a rank with no rows in this minibatch
+        for tensor in [p.grad for p in model.parameters()] + list(tensors):
+            dist.all_reduce(tensor)
 
 
 def main(args: Args) -> Path:
@@ -721,7 +792,8 @@ def main(args: Args) -> Path:
     check_args(args)
     n_prompts = args.rollout_batch_size // args.group_size
     task = data.load_task(args, n_questions=n_prompts)  # a bad spec stops here, before the engine starts
-    # --- PLUMBING: run folder, devices, engine, seeds, policy (the same steps in every script) ---
+    # --- PLUMBING: ranks, run folder, devices, engine, seeds, policy (the same steps in every script) ---
+    init_distributed(args.rank_timeout_s)  # under torchrun: every rank an engine, a trainer, a share of the questions
     run_dir = make_run_dir(args)
     policy_device, vllm_device, memory_fraction, reload_tol = resolve_devices(args)
     model_path = str(checkpoints(run_dir)[-1]) if checkpoints(run_dir) else args.model
@@ -768,14 +840,15 @@ def main(args: Args) -> Path:
             drawn, seeds = task.questions(n_prompts, args.group_size, args.seed + draw * 1_000_003, step)
             examples, prompts = examples + drawn, prompts + [task.prompt(ex) for ex in drawn]
             params = [SamplingParams(**sampling, stop=task.stop(e), seed=s) for e, s in zip(drawn, seeds, strict=True)]
-            with engine_device(vllm_device):
-                outputs += llm.generate(prompts[-n_prompts:], params, use_tqdm=False)
-            t0, new = time.time(), [c for output in outputs[-n_prompts:] for c in output.outputs]
-            verdicts = verifiers.score_batch([c.text for c in new], [e for e in drawn for _ in range(args.group_size)])
+            with engine_device(vllm_device):  # each rank its share of the questions, then all of them on every rank
+                mine = llm.generate(my_share(prompts[-n_prompts:]), my_share(params), use_tqdm=False)
+            t0, new = time.time(), [c for output in mine for c in output.outputs]
+            verdicts = verifiers.score_batch([c.text for c in new],
+                                             [e for e in my_share(drawn) for _ in range(args.group_size)])  # fmt: skip
             penalties = overlong_penalty(torch.tensor([len(c.token_ids) for c in new]), args.max_tokens,
                                          args.overlong_buffer, args.overlong_penalty).tolist()  # fmt: skip
-            scores += [{**v, "reward": v["reward"] + pen} for v, pen in zip(verdicts, penalties, strict=True)]
-            t_score += time.time() - t0
+            scores += gather([{**v, "reward": v["reward"] + pen} for v, pen in zip(verdicts, penalties, strict=True)])
+            outputs, t_score = outputs + gather(mine), t_score + time.time() - t0
             rewards = torch.tensor([score["reward"] for score in scores])
             if groups_with_signal(rewards, args.group_size, args.loss_type).sum() >= n_prompts:
                 break
