@@ -33,10 +33,12 @@ Usage:
 """
 
 import contextlib
+import datetime
 import json
 import math
 import os
 import shutil
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
@@ -44,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_constant_schedule_with_warmup
 from vllm import LLM, SamplingParams
@@ -99,6 +102,7 @@ class Args:
     save_every: int = 1  # checkpoint every this many EI steps (and at the end)
     keep_checkpoints: int = 2  # keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all
     reload_tol: float | None = None  # max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16
+    rank_timeout_s: float = 1800  # under torchrun: how long a rank waits for the others before naming them and stopping
 
 
 # --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
@@ -307,7 +311,7 @@ def reload_and_check(policy, llm: LLM, probe_prompts: list[list[int]], device: s
 def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, devices: tuple[str, str], run_dir: Path, step: int):
     """Greedy responses to each dataset's eval examples, scored: metrics per dataset and in all; a few responses go to
     generations.jsonl (log_generations). devices: (trainer's, engine's)."""
-    t0, examples = time.time(), [ex for name in task.names for ex in task.evals[name]]
+    t0, examples = time.time(), my_share([ex for name in task.names for ex in task.evals[name]])  # gathered below
     prompts = [task.prompt(ex) for ex in examples]  # stop strings stay in the output: the verifier reads them
     params = [SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens, stop=task.stop(ex),
                              include_stop_str_in_output=True) for ex in examples]  # fmt: skip
@@ -317,6 +321,7 @@ def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, devices: tuple[
     records = [{"dataset": ex["dataset"], "id": ex["id"], "prompt": prompt, "response": c.text, "answer": ex["answer"],
                 "reward": reward, "n_tokens": len(c.token_ids), "truncated": c.finish_reason == "length"}
                for ex, prompt, c, reward in zip(examples, prompts, completions, rewards, strict=True)]  # fmt: skip
+    records = gather(records)
     sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations], devices[0])
     append_jsonl(run_dir / "generations.jsonl", [{"step": step, **sample} for sample in samples])
     metrics = data.eval_metrics(records)
@@ -346,7 +351,7 @@ def log_generations(policy, tokenizer, records: list[dict], policy_device: str) 
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {"resume", "output_dir", "track", "wandb_project", "policy_device", "vllm_device",
                      "vllm_gpu_memory_utilization", "gradient_checkpointing", "keep_checkpoints",
-                     "reload_tol"}  # fmt: skip
+                     "reload_tol", "rank_timeout_s"}  # fmt: skip
 
 
 def restore_args(args):
@@ -363,19 +368,24 @@ def restore_args(args):
 
 
 def make_run_dir(args) -> Path:
-    """runs/<exp_name>__<seed>__<unix time>, or the folder being resumed, with args.json in it."""
-    run_dir = Path(args.resume or Path(args.output_dir) / f"{args.exp_name}__{args.seed}__{int(time.time())}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+    """runs/<exp_name>__<seed>__<unix time> (rank 0's time), or the folder being resumed, with args.json in it."""
+    name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    run_dir = Path(args.resume or Path(args.output_dir) / gather([name])[0])
+    if RANK == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
     return run_dir
 
 
 def resolve_devices(args) -> tuple[str, str, float, float]:
-    """(trainer's device, engine's, the engine's share of its GPU, reload tolerance). Two GPUs: one each; one GPU:
-    shared; none: both on the CPU, in float32. "cuda" is "cuda:0", so that they compare."""
+    """(trainer's device, engine's, the engine's share of its GPU, reload tolerance). The node's GPUs are dealt out to
+    its ranks (one process: one rank), k each: with k >= 2 a rank's trainer takes its first, its engine the second;
+    with k = 1 they share it; with none, both are on the CPU, in float32. "cuda" is "cuda:0", so that they compare."""
     canonical = lambda d: str(torch.device(d.type, d.index or 0) if (d := torch.device(d)).type == "cuda" else d)
-    policy_device = canonical(args.policy_device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
-    vllm_device = canonical(args.vllm_device or ("cuda:1" if torch.cuda.device_count() > 1 else policy_device))
+    k = torch.cuda.device_count() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun sets LOCAL_*
+    first = int(os.environ.get("LOCAL_RANK", 0)) * k
+    policy_device = canonical(args.policy_device or (f"cuda:{first}" if k else "cpu"))
+    vllm_device = canonical(args.vllm_device or (f"cuda:{first + 1}" if k > 1 else policy_device))
     memory, tol = args.vllm_gpu_memory_utilization, args.reload_tol  # None: the defaults; 0 is a value
     memory = (0.3 if vllm_device == policy_device else 0.85) if memory is None else memory
     return policy_device, vllm_device, memory, (1e-3 if vllm_device == "cpu" else 0.5) if tol is None else tol
@@ -401,7 +411,10 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, keep: int) -> None:
     """checkpoints/step_N: a Hugging Face model folder and trainer_state.pt (no RNG state: all that is random derives
-    from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses nothing. Keeps the newest `keep`."""
+    from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses nothing. Keeps the newest `keep`.
+    Rank 0 writes it: the ranks' weights are the same."""
+    if RANK:
+        return
     final = run_dir / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -411,9 +424,6 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    if len(checkpoints(run_dir)) == 1:
-        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e9
-        print(f"checkpoint {final}: {size:.3g} GB; the newest {keep or 'all'} are kept (--keep-checkpoints)")
     for old in checkpoints(run_dir)[:-keep] if keep else []:
         shutil.rmtree(old)
 
@@ -427,7 +437,7 @@ def resume_from(run_dir: Path, optimizer, scheduler, *record_files: str) -> int:
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     for path in [run_dir / name for name in ("metrics.jsonl", "generations.jsonl", *record_files)]:
-        if path.exists():
+        if path.exists() and RANK == 0:
             kept = [line for line in path.read_text().splitlines(True) if json.loads(line)["step"] <= state["step"]]
             path.with_name(path.name + ".tmp").write_text("".join(kept))
             os.replace(path.with_name(path.name + ".tmp"), path)
@@ -436,12 +446,15 @@ def resume_from(run_dir: Path, optimizer, scheduler, *record_files: str) -> int:
 
 
 def append_jsonl(path: Path, records: list[dict]) -> None:
-    with open(path, "a") as f:
+    with open(path if RANK == 0 else os.devnull, "a") as f:  # rank 0 writes what every rank gathered
         f.writelines(json.dumps(record) + "\n" for record in records)
 
 
 def make_logger(run_dir: Path, args):
-    """log(metrics, step) appends a line to metrics.jsonl (NaN as null: strict JSON) and, with --track, to W&B."""
+    """log(metrics, step) appends a line to metrics.jsonl (NaN as null: strict JSON) and, with --track, to W&B. Rank 0
+    logs what every rank computed."""
+    if RANK:
+        return lambda metrics, step: None
     metrics_file = open(run_dir / "metrics.jsonl", "a")
     if args.track:
         import wandb
@@ -456,6 +469,50 @@ def make_logger(run_dir: Path, args):
             wandb.log(metrics, step=step)
 
     return log
+
+
+# --- PLUMBING: data parallel under torchrun (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+
+RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
+RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others
+
+
+def init_distributed(timeout_s: float) -> None:
+    """Under torchrun, join the other ranks (NCCL between GPUs, else gloo) before the engine starts (else it makes a
+    world of its own), and make the gloo group now, while all are here: that is a collective. Rank 0 prints."""
+    if WORLD_SIZE > 1:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+        RANKS.update(group=dist.new_group(backend="gloo", timeout=timeout), timeout=timeout)
+        sys.stdout = sys.stdout if RANK == 0 else open(os.devnull, "w")
+
+
+def my_share(items: list) -> list:
+    """This rank's contiguous share of a list every rank holds: rank r of W takes [r n / W, (r + 1) n / W)."""
+    return items[RANK * len(items) // WORLD_SIZE : (RANK + 1) * len(items) // WORLD_SIZE]
+
+
+def gather(items: list) -> list:
+    """Every rank's list, concatenated in rank order (alone: the list), after a monitored_barrier: a rank that does
+    not come within the timeout is named ("Rank 1 failed to pass monitoredBarrier"), and the run stops."""
+    if not RANKS:
+        return items
+    dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
+    parts = [None] * WORLD_SIZE
+    dist.all_gather_object(parts, items, group=RANKS["group"])
+    return [item for part in parts for item in part]
+
+
+def sum_over_ranks(model, *tensors: torch.Tensor) -> None:
+    """Sum the model's gradients and these tensors over the ranks, in place, after a monitored_barrier. Each rank
+    divided its loss by the global count: the sums are one process's. DDP's all_reduce by hand: its hooks need as
+    many backward passes on every rank, and its wrapper renames the weights (module.*) that the reload matches."""
+    if RANKS:
+        dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad  # a rank with no rows in this minibatch
+        for tensor in [p.grad for p in model.parameters()] + list(tensors):
+            dist.all_reduce(tensor)
 
 
 def main(args: Args) -> Path:

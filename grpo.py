@@ -81,7 +81,7 @@ class Args:
     # --- optim ---
     lr: float = 1e-5  # peak learning rate of AdamW (reached after the warmup)
     weight_decay: float = 0.0  # AdamW weight decay
-    warmup_steps: int = 0  # GRPO steps over whose optimizer steps the learning rate rises linearly from 0
+    warmup_steps: int = 0  # GRPO steps over which the learning rate rises linearly from 0
     lr_schedule: str = "constant"  # after the warmup: constant | cosine (to 0 at the last GRPO step)
     train_batch_size: int = 256  # responses per optimizer step (fewer than a rollout batch: off-policy)
     epochs_per_rollout_batch: int = 1  # passes over each rollout batch; more than 1 is off-policy
@@ -327,14 +327,6 @@ def groups_with_signal(raw_rewards: torch.Tensor, group_size: int, loss_type: st
     return rewards.std(dim=1) > 0
 
 
-def catch_up_scheduler(scheduler, n_steps_done: int, updates_per_step: int) -> None:
-    """Step the schedule over the optimizer steps a GRPO step did not take (no signal, a non-finite update): else a
-    cosine never reaches 0."""
-    with warnings.catch_warnings(action="ignore"):  # torch warns of a schedule step with no optimizer step: the point
-        while scheduler.last_epoch < n_steps_done * updates_per_step:
-            scheduler.step()
-
-
 # --- ALGORITHM: rollouts as training tensors, the update; GRPO's bookkeeping (arguments, rollouts.jsonl, metrics) ---
 
 
@@ -361,7 +353,7 @@ def frozen_log_probs(model, batch: dict, lengths: list[int], rows: list[int], mi
     return log_probs
 
 
-def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths: list[int], args: Args, step: int,
+def update_policy(policy, reference, optimizer, batch: dict, lengths: list[int], args: Args, step: int,
                   autocast, n_bad_in_a_row: int) -> tuple[dict, int]:  # fmt: skip
     """Epochs over a rollout batch (input_ids, labels, response_mask, engine_log_probs (n, T); advantages, raw_rewards
     (n,)), an optimizer step per minibatch, gradients accumulated over microbatches; under torchrun each rank trains on
@@ -372,9 +364,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths:
     advantages, raw_rewards = batch["advantages"].to(device), batch["raw_rewards"].to(device)
     n_minibatches = args.rollout_batch_size // args.train_batch_size
     sums = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "positions": sum(lengths) + len(lengths)}
-    orders = [np.random.default_rng([args.seed, step, epoch]).permutation(len(lengths))
-              for epoch in range(args.epochs_per_rollout_batch)]  # the same on every rank
-    plan = [part.tolist() for order in orders for part in np.array_split(order, n_minibatches) if len(part)]
+    plan = [part.tolist() for epoch in range(args.epochs_per_rollout_batch) for part in np.array_split(  # every rank's
+        np.random.default_rng([args.seed, step, epoch]).permutation(len(lengths)), n_minibatches) if len(part)]
     mine = lambda minibatch: sorted(minibatch, key=lambda i: lengths[i])[RANK::WORLD_SIZE]  # as many tokens each
     # Old and reference log-probs: once per rollout batch, before the first optimizer step.  (n, T) each
     my_rows = sorted({i for minibatch in plan for i in mine(minibatch)})
@@ -412,7 +403,6 @@ def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths:
         n_bad_in_a_row = 0 if finite else n_bad_in_a_row + 1
         if finite:
             optimizer.step()
-            scheduler.step()
             sums.update(loss=sums["loss"] + update_loss, grad_norm=sums["grad_norm"] + grad_norm,
                         updates=sums["updates"] + 1)  # fmt: skip
         elif n_bad_in_a_row >= 3:
@@ -422,9 +412,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths:
             warnings.warn(f"step {step + 1}: loss {update_loss} or gradient norm {grad_norm} is not finite; "
                           "update skipped", stacklevel=2)  # fmt: skip
         optimizer.zero_grad(set_to_none=True)
-    if RANKS:  # the per-token sums of every rank's rows (a rank with none has no metadata keys)
-        parts = gather([{k: float(v) for k, v in sums.items() if torch.is_tensor(v)}])
-        sums |= {k: sum(part.get(k, 0.0) for part in parts) for part in parts for k in part}
+    parts = gather([{k: float(v) for k, v in sums.items() if torch.is_tensor(v)}])  # per-token sums of every rank
+    sums |= {k: sum(part.get(k, 0.0) for part in parts) for part in parts for k in part}  # (a rank with no rows: {})
     return sums, n_bad_in_a_row
 
 
@@ -466,9 +455,6 @@ TOKEN_MEANS = {"entropy": "entropy", "clipped": "clip_fraction", "clipped_low": 
 
 def step_metrics(reward_metadata: dict, completions: list, n_trained: int, sums: dict, extra: dict, args: Args) -> dict:
     """One GRPO step's metrics: rollout statistics, and the means of the update's sums."""
-    on_device = [key for key, value in sums.items() if torch.is_tensor(value)]
-    if on_device:  # one host sync for all of them
-        sums = {**sums, **dict(zip(on_device, torch.stack([sums[k] for k in on_device]).tolist(), strict=True))}
     lengths = [len(c.token_ids) for c in completions]
     metrics = {**{f"rollout/{key}": value for key, value in reward_metadata.items()},
                "rollout/response_length": float(np.mean(lengths)), "rollout/response_length_max": max(lengths),
@@ -692,9 +678,6 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    if len(checkpoints(run_dir)) == 1:
-        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e9
-        print(f"checkpoint {final}: {size:.3g} GB; the newest {keep or 'all'} are kept (--keep-checkpoints)")
     for old in checkpoints(run_dir)[:-keep] if keep else []:
         shutil.rmtree(old)
 
@@ -717,27 +700,26 @@ def resume_from(run_dir: Path, optimizer, scheduler, *record_files: str) -> int:
 
 
 def append_jsonl(path: Path, records: list[dict]) -> None:
-    if RANK:  # the ranks' records are the same, gathered
-        return
-    with open(path, "a") as f:
+    with open(path if RANK == 0 else os.devnull, "a") as f:  # rank 0 writes what every rank gathered
         f.writelines(json.dumps(record) + "\n" for record in records)
 
 
 def make_logger(run_dir: Path, args):
-    """log(metrics, step) appends a line to metrics.jsonl (NaN as null: strict JSON) and, with --track, to W&B."""
-    metrics_file, track = open(run_dir / "metrics.jsonl", "a") if RANK == 0 else None, args.track and RANK == 0
-    if track:
+    """log(metrics, step) appends a line to metrics.jsonl (NaN as null: strict JSON) and, with --track, to W&B. Rank 0
+    logs what every rank computed."""
+    if RANK:
+        return lambda metrics, step: None
+    metrics_file = open(run_dir / "metrics.jsonl", "a")
+    if args.track:
         import wandb
 
         wandb.init(project=args.wandb_project, name=run_dir.name, config=asdict(args), resume="allow")
 
     def log(metrics: dict, step: int) -> None:
-        if RANK:  # rank 0 writes what every rank computed
-            return
         metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
         metrics_file.write(json.dumps({"step": step, **metrics}, allow_nan=False) + "\n")
         metrics_file.flush()
-        if track:
+        if args.track:
             wandb.log(metrics, step=step)
 
     return log
@@ -746,12 +728,12 @@ def make_logger(run_dir: Path, args):
 # --- PLUMBING: data parallel under torchrun (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
-RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others (monitored_barrier)
+RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others
 
 
 def init_distributed(timeout_s: float) -> None:
-    """Under torchrun, join the other ranks (NCCL between GPUs, gloo on CPU) before the engine starts, else it makes a
-    world of its own; and make the gloo group now, while all are here: that is a collective too. Rank 0 prints."""
+    """Under torchrun, join the other ranks (NCCL between GPUs, else gloo) before the engine starts (else it makes a
+    world of its own), and make the gloo group now, while all are here: that is a collective. Rank 0 prints."""
     if WORLD_SIZE > 1:
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
@@ -759,9 +741,14 @@ def init_distributed(timeout_s: float) -> None:
         sys.stdout = sys.stdout if RANK == 0 else open(os.devnull, "w")
 
 
+def my_share(items: list) -> list:
+    """This rank's contiguous share of a list every rank holds: rank r of W takes [r n / W, (r + 1) n / W)."""
+    return items[RANK * len(items) // WORLD_SIZE : (RANK + 1) * len(items) // WORLD_SIZE]
+
+
 def gather(items: list) -> list:
-    """Every rank's list, concatenated in rank order (alone: the list). First a monitored_barrier: a rank that does not
-    come within the timeout is named ("Rank 1 failed to pass monitoredBarrier"), and the run stops."""
+    """Every rank's list, concatenated in rank order (alone: the list), after a monitored_barrier: a rank that does
+    not come within the timeout is named ("Rank 1 failed to pass monitoredBarrier"), and the run stops."""
     if not RANKS:
         return items
     dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
@@ -770,14 +757,9 @@ def gather(items: list) -> list:
     return [item for part in parts for item in part]
 
 
-def my_share(items: list) -> list:
-    """This rank's contiguous share of a list every rank holds: rank r of W takes [r n / W, (r + 1) n / W)."""
-    return items[RANK * len(items) // WORLD_SIZE : (RANK + 1) * len(items) // WORLD_SIZE]
-
-
 def sum_over_ranks(model, *tensors: torch.Tensor) -> None:
     """Sum the model's gradients and these tensors over the ranks, in place, after a monitored_barrier. Each rank
-    divided its loss by the global count, so the sums are one process's. DDP's all_reduce by hand: its hooks need as
+    divided its loss by the global count: the sums are one process's. DDP's all_reduce by hand: its hooks need as
     many backward passes on every rank, and its wrapper renames the weights (module.*) that the reload matches."""
     if RANKS:
         dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
@@ -817,11 +799,10 @@ def main(args: Args) -> Path:
     probe_prompts = make_probe_prompts(tokenizer, [task.prompt(ex) + ex["solution"] for ex in task.train[:8]])
 
     # --- Optimizer and resume ---
-    updates_per_step = args.rollout_batch_size // args.train_batch_size * args.epochs_per_rollout_batch
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
-    # Linear warmup, then constant or a cosine to 0 at the last GRPO step, counted in optimizer steps
+    # Linear warmup, then constant or a cosine to 0 at the last GRPO step: one learning rate per GRPO step
     scheduler = get_scheduler("cosine" if args.lr_schedule == "cosine" else "constant_with_warmup", optimizer,
-                              args.warmup_steps * updates_per_step, args.n_grpo_steps * updates_per_step)  # fmt: skip
+                              args.warmup_steps, args.n_grpo_steps)  # fmt: skip
     start_step = resume_from(run_dir, optimizer, scheduler, "rollouts.jsonl")
     log = make_logger(run_dir, args)
     gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)  # the engine follows from step 0 on
@@ -883,9 +864,10 @@ def main(args: Args) -> Path:
             batch["engine_log_probs"][batch["response_mask"]] = torch.tensor([v for i in rows for v in engine_lps[i]])
             batch["advantages"], batch["raw_rewards"] = advantages[rows], raw_rewards[rows]  # (n,) each
             lengths = [len(prompt_ids[i]) + len(completions[i].token_ids) - 1 for i in rows]  # unpadded positions
-            sums, n_bad_in_a_row = update_policy(policy, reference, optimizer, scheduler, batch, lengths, args, step,
+            sums, n_bad_in_a_row = update_policy(policy, reference, optimizer, batch, lengths, args, step,
                                                  autocast, n_bad_in_a_row)  # fmt: skip
-        catch_up_scheduler(scheduler, step + 1, updates_per_step)
+        with warnings.catch_warnings(action="ignore"):  # of a schedule step with no optimizer step (none trained)
+            scheduler.step()
         t_train = time.time() - t0
 
         # --- 4. Reload the new weights into the engine, and prove it follows them (unless nothing changed) ---

@@ -4,7 +4,6 @@ write one run folder and resume; a rank that dies or hangs stops the run within 
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM, get_scheduler
+from transformers import AutoModelForCausalLM
 
 import grpo
 
@@ -51,9 +50,8 @@ def one_update(model_dir: str, aggregation: str, n_rows: int) -> tuple[dict, dic
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).requires_grad_(False)
     # SGD: the weights move by the gradients themselves (Adam would blow a 1e-7 difference of a ~0 gradient up to lr)
     optimizer = torch.optim.SGD(policy.parameters(), lr=args.lr)
-    scheduler = get_scheduler("constant", optimizer)
     batch, lengths = rollout_batch(n_rows)
-    sums, _ = grpo.update_policy(policy, reference, optimizer, scheduler, batch, lengths, args, 0, autocast, 0)
+    sums, _ = grpo.update_policy(policy, reference, optimizer, batch, lengths, args, 0, autocast, 0)
     sums = {k: float(v) for k, v in sums.items()}
     return sums, {k: v.detach().clone() for k, v in policy.state_dict().items()}
 
@@ -88,7 +86,7 @@ def test_two_ranks_make_one_ranks_update(tiny_model_dir, tmp_path):
             assert moved > 1e-2 and differ < 1e-4 * moved, (aggregation, n_rows, moved, differ)
 
 
-# --- Whole runs under torchrun: 2 ranks on CPU, each with its own vLLM engine (tests/grpo_under_torchrun.py) ---
+# --- Whole runs under torchrun: 2 ranks on CPU, each with its own vLLM engine (tests/under_torchrun.py) ---
 
 
 def torchrun(n_ranks: int, output_dir: Path, *extra: str, model: Path, fail: dict | None = None):
@@ -99,7 +97,7 @@ def torchrun(n_ranks: int, output_dir: Path, *extra: str, model: Path, fail: dic
             "--eval-max-tokens", "4", "--n-log-generations", "1", "--save-every", "1", *extra]  # fmt: skip
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **(fail or {})}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n_ranks),
-               "--master-port", str(free_port()), str(ROOT / "tests" / "grpo_under_torchrun.py"), *args]  # fmt: skip
+               "--master-port", str(free_port()), str(ROOT / "tests" / "under_torchrun.py"), "grpo", *args]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     return done.returncode, done.stdout + done.stderr
 
