@@ -8,7 +8,7 @@ lowering the reverse KL(student p || teacher q): grpo.py with another advantage,
   4. minimise -A_t log p(o_t), one mean over the batch's tokens: as E_p[grad log p] = 0, its gradient is the
      reverse KL's, E_p[(log p - log q) grad log p]; one optimizer step per rollout batch (no ratio, no clipping);
   5. copy the new weights into the engine and *prove* it now samples from them (reload_and_check).
-Simplifications: generation and training take turns; the KL is estimated on the sampled token, not over the
+Simplifications: generation and training take turns (more GPUs: data parallel, docs/distributed.md); the KL is estimated on the sampled token, not over the
 vocabulary, and at each position alone (no credit to later tokens); the teacher must share the student's tokenizer.
 
 Usage:
@@ -198,16 +198,17 @@ def frozen_log_probs(model, batch: dict, lengths: list[int], rows: list[int], mi
 def update_student(policy, teacher, optimizer, scheduler, batch: dict, lengths: list[int], args: Args, step: int,
                   autocast) -> dict:  # fmt: skip
     """One optimizer step on a rollout batch (input_ids, labels, response_mask (n, T); reward_advantages (n,)), the
-    gradient accumulated over microbatches; a non-finite update is skipped. Returns the update's metrics."""
+    gradient accumulated over microbatches (each rank's rows, summed); a non-finite update is skipped. Returns the
+    update's metrics."""
     device = next(policy.parameters()).device
     tensors = {k: batch[k] for k in ("input_ids", "labels", "response_mask")}
     reward_advantages = batch["reward_advantages"].to(device)
-    # The teacher's grade of every sampled token, once, before the update.  (n, T)
-    teacher_log_probs = frozen_log_probs(teacher, tensors, lengths, list(range(len(lengths))), args.microbatch_size,
-                                         args.temperature)
-    n_tokens = int(tensors["response_mask"].sum())
+    mine = sorted(range(len(lengths)), key=lambda i: lengths[i])[RANK::WORLD_SIZE]  # balanced by length
+    # The teacher's grade of every sampled token of this rank's, once, before the update.  (n, T)
+    teacher_log_probs = frozen_log_probs(teacher, tensors, lengths, mine, args.microbatch_size, args.temperature)
+    n_tokens = int(tensors["response_mask"].sum())  # of every rank
     sums = torch.zeros(3, device=device)  # loss, reverse KL and entropy summed over the response tokens
-    for rows, micro in microbatches(tensors, list(range(len(lengths))), lengths, args.microbatch_size, str(device)):
+    for rows, micro in microbatches(tensors, mine, lengths, args.microbatch_size, str(device)):
         with autocast:
             out = get_response_log_probs(policy, micro["input_ids"], micro["labels"], True, args.temperature)
         loss, reverse_kl = distill_microbatch_train_step(
@@ -216,6 +217,7 @@ def update_student(policy, teacher, optimizer, scheduler, batch: dict, lengths: 
         )  # fmt: skip
         mask = micro["response_mask"]  # on the device: no host sync per microbatch
         sums += torch.stack([loss, (reverse_kl * mask).sum(), (out["token_entropy"] * mask).sum()])
+    sum_over_ranks(policy, sums)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
     loss, reverse_kl, entropy, grad_norm = torch.cat([sums, grad_norm.reshape(1)]).tolist()  # the update's one sync
     if updated := math.isfinite(loss) and math.isfinite(grad_norm):
@@ -321,7 +323,7 @@ def weights_that_differ(policy, llm: LLM, device: str) -> list[str]:
 
 def probe_gap(policy, llm: LLM, probe_prompts: list[list[int]], device: str, n_tokens: int = 16) -> float:
     """The engine continues each probe greedily, the trainer scores the same tokens: the worse prompt's median
-    |log-prob gap| (a near-tie token in bf16 must not stop a run). Generated: prompt log-probs skip the prefix cache."""
+    |log-prob gap| (a near-tie in bf16 must not stop a run). Generated: prompt log-probs skip the prefix cache."""
     params = SamplingParams(temperature=0.0, max_tokens=n_tokens, logprobs=0, ignore_eos=True)
     with engine_device(device):
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe_prompts], params, use_tqdm=False)
@@ -455,9 +457,8 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, keep: int) -> None:
     """checkpoints/step_N: a Hugging Face model folder and trainer_state.pt (no RNG state: all that is random derives
-    from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses nothing. Keeps the newest `keep`.
-    Rank 0 writes it: the ranks' weights are the same."""
-    if RANK:
+    from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses nothing. Keeps the newest `keep`."""
+    if RANK:  # the ranks' weights are the same
         return
     final = run_dir / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -468,6 +469,9 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    if len(checkpoints(run_dir)) == 1:
+        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e9
+        print(f"checkpoint {final}: {size:.3g} GB; the newest {keep or 'all'} are kept (--keep-checkpoints)")
     for old in checkpoints(run_dir)[:-keep] if keep else []:
         shutil.rmtree(old)
 
@@ -518,12 +522,12 @@ def make_logger(run_dir: Path, args):
 # --- PLUMBING: data parallel under torchrun (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
-RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others
+RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others (docs/distributed.md)
 
 
 def init_distributed(timeout_s: float) -> None:
-    """Under torchrun, join the other ranks (NCCL between GPUs, else gloo) before the engine starts (else it makes a
-    world of its own), and make the gloo group now, while all are here: that is a collective. Rank 0 prints."""
+    """Under torchrun: join the ranks (NCCL on GPUs, else gloo) before the engine starts, else it makes a world of its
+    own, and make the gloo group now, while all are here (a collective too). Rank 0 prints."""
     if WORLD_SIZE > 1:
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
@@ -532,13 +536,12 @@ def init_distributed(timeout_s: float) -> None:
 
 
 def my_share(items: list) -> list:
-    """This rank's contiguous share of a list every rank holds: rank r of W takes [r n / W, (r + 1) n / W)."""
+    """This rank's contiguous share of a list every rank holds."""
     return items[RANK * len(items) // WORLD_SIZE : (RANK + 1) * len(items) // WORLD_SIZE]
 
 
 def gather(items: list) -> list:
-    """Every rank's list, concatenated in rank order (alone: the list), after a monitored_barrier: a rank that does
-    not come within the timeout is named ("Rank 1 failed to pass monitoredBarrier"), and the run stops."""
+    """Every rank's list, concatenated in rank order, after a monitored_barrier (it names a rank that does not come)."""
     if not RANKS:
         return items
     dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
@@ -548,9 +551,7 @@ def gather(items: list) -> list:
 
 
 def sum_over_ranks(model, *tensors: torch.Tensor) -> None:
-    """Sum the model's gradients and these tensors over the ranks, in place, after a monitored_barrier. Each rank
-    divided its loss by the global count: the sums are one process's. DDP's all_reduce by hand: its hooks need as
-    many backward passes on every rank, and its wrapper renames the weights (module.*) that the reload matches."""
+    """Sum the gradients and these tensors over the ranks, in place: DDP's all-reduce by hand (docs/distributed.md)."""
     if RANKS:
         dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
         for p in model.parameters():
@@ -564,7 +565,8 @@ def main(args: Args) -> Path:
     check_student_and_teacher(args)
     n_prompts = args.rollout_batch_size // args.group_size
     task = data.load_task(args, n_questions=n_prompts)  # a bad spec stops here, before the engine starts
-    # --- PLUMBING: run folder, devices, engine, seeds, policy (the same steps in every script) ---
+    # --- PLUMBING: ranks, run folder, devices, engine, seeds, policy (the same steps in every script) ---
+    init_distributed(args.rank_timeout_s)  # under torchrun: every rank an engine, a trainer, a share of the questions
     run_dir = make_run_dir(args)
     policy_device, vllm_device, memory_fraction, reload_tol = resolve_devices(args)
     model_path = str(checkpoints(run_dir)[-1]) if checkpoints(run_dir) else args.model
@@ -602,17 +604,18 @@ def main(args: Args) -> Path:
         examples, seeds = task.questions(n_prompts, args.group_size, args.seed, step)
         prompts = [task.prompt(ex) for ex in examples]
         params = [SamplingParams(**sampling, stop=task.stop(ex), seed=s) for ex, s in zip(examples, seeds, strict=True)]
-        with engine_device(vllm_device):
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-        # Flattened, group by group: responses j * G ... j * G + G - 1 answer question j.  (B,) lists, B = n_prompts G
-        completions = [c for output in outputs for c in output.outputs]
-        prompt_ids = [list(output.prompt_token_ids) for output in outputs for _ in output.outputs]
+        with engine_device(vllm_device):  # each rank its share of the questions; all are gathered in 2.
+            outputs = llm.generate(my_share(prompts), my_share(params), use_tqdm=False)
         t_generate = time.time() - t_step
 
         # --- 2. Score: the verifier's reward (logged; in the advantage with --reward-weight) ---
         t0 = time.time()
-        truths = [ex for ex in examples for _ in range(args.group_size)]  # flattened as the completions
-        scores = verifiers.score_batch([c.text for c in completions], truths)
+        truths = [ex for ex in my_share(examples) for _ in range(args.group_size)]  # flattened as the responses
+        scores = gather(verifiers.score_batch([c.text for output in outputs for c in output.outputs], truths))
+        outputs = gather(outputs)
+        # Flattened, group by group: responses j * G ... j * G + G - 1 answer question j.  (B,) lists, B = n_prompts G
+        completions = [c for output in outputs for c in output.outputs]
+        prompt_ids = [list(output.prompt_token_ids) for output in outputs for _ in output.outputs]
         raw_rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)  # (B,)
         t_score = time.time() - t0
 

@@ -7,19 +7,16 @@ its own "expert", the verifier the filter: rejection sampling plus maximum likel
 Known as STaR, rejection-sampling fine-tuning and ReST-EM (docs/background.md); this follows CS336 assignment 5's
 version: start from an SFT checkpoint, study questions per step, group size and SFT epochs per step.
 
-Deliberate simplifications:
-1. Each step fine-tunes the current policy on this step's kept responses only, as CS336 does. STaR and ReST-EM
-   restart from the base model every iteration and train on everything gathered so far (a fork of phase 4).
-2. The filter is binary (reward == 1) and only removes exact duplicates: no cap on responses per question, no STaR
-   "rationalization" (hinting the answer for questions never solved).
-3. One AdamW and one learning-rate schedule for the whole run, as in CS336; constant after the warmup: the number of
-   optimizer steps per EI step depends on how many responses pass, so a decay would have no known end.
-4. Every kept response is trained on in every epoch: an epoch's last batch is usually short (unlike sft.py's).
-5. A response is trained on as text, the engine's text plus EOS, re-tokenized as sft.py does.
-6. One trainer process, no data or model parallelism (as sft.py).
+Deliberate simplifications: (1) each step fine-tunes the current policy on this step's kept responses only, as CS336
+does (STaR and ReST-EM restart from the base model and train on everything gathered so far: a fork of phase 4); (2)
+the filter is binary (reward == 1) and removes exact duplicates only: no cap per question, no STaR "rationalization"
+(hinting the answer of a question never solved); (3) one AdamW for the whole run, its learning rate constant after the
+warmup: the optimizer steps per EI step depend on how many responses pass, so a decay would have no known end; (4)
+every kept response is trained on in every epoch: an epoch's last batch is usually short (unlike sft.py's); (5) a
+response is trained on as text, the engine's plus EOS, re-tokenized as sft.py does; (6) more GPUs means data parallel,
+as in sft.py (torchrun: each rank a whole model, an engine, a share of the questions and of each batch).
 
-Outputs besides metrics.jsonl and checkpoints: kept.jsonl, every response trained on (a valid --sft-file for
-sft.py), and generations.jsonl, a few evaluation responses per evaluation.
+Writes kept.jsonl (every response trained on: an sft.py --sft-file) and generations.jsonl beside metrics.jsonl.
 
 Usage:
     python expert_iter.py --model runs/sft__1__1763700000/checkpoints/step_000200    # GSM8K, r1_zero, 2 GPUs
@@ -174,33 +171,32 @@ def sft_microbatch_train_step(policy_log_probs: torch.Tensor, response_mask: tor
 
 def sft_batch_train_step(policy, tokenizer, batch: list[dict], microbatch_size: int, max_seq_len: int, autocast,
                          entropy: bool = False) -> dict:  # fmt: skip
-    """Accumulate the gradient of one batch's mean NLL per response token over its microbatches (the last may be
-    short). batch: {"prompt", "response"}, responses ending in EOS. Returns loss, n_response_tokens (, entropy_sum)."""
+    """Accumulate the gradient of one batch's mean NLL per response token over microbatches, each rank's rows, summed.
+    batch: {"prompt", "response"}, responses ending in EOS. Returns loss, entropy_sum (or 0), n_response_tokens."""
     tokenized = tokenize_prompt_and_output([p["prompt"] for p in batch], [p["response"] for p in batch], tokenizer)
     tokenized = {k: v[:, : max_seq_len - 1] for k, v in tokenized.items()}  # (B, T), over-long examples cut
-    n_response_tokens = tokenized["response_mask"].sum().item()
-    device = next(policy.parameters()).device
-    loss_sum, entropy_sum = 0.0, 0.0
-    for start in range(0, len(batch), microbatch_size):
-        micro = {k: v[start : start + microbatch_size].to(device) for k, v in tokenized.items()}
+    lengths, device = tokenized["response_mask"].sum(-1).tolist(), next(policy.parameters()).device
+    mine = sorted(range(len(batch)), key=lambda i: lengths[i])[RANK::WORLD_SIZE]  # balanced by length
+    sums = torch.zeros(2, device=device)  # this rank's loss and entropy sum, on the device: no sync per microbatch
+    for start in range(0, len(mine), microbatch_size):
+        micro = {k: v[mine[start : start + microbatch_size]].to(device) for k, v in tokenized.items()}
         with autocast:
             out = get_response_log_probs(policy, micro["input_ids"], micro["labels"], return_token_entropy=entropy)
-        # Every response token of the batch weighs 1 / n_response_tokens, whatever microbatch it falls in.
-        normalize_constant, accumulation = n_response_tokens / len(batch), len(batch) / len(micro["labels"])
+        # Every response token of the batch weighs 1 / n_response_tokens, whatever microbatch or rank it falls in.
+        normalize_constant, accumulation = sum(lengths) / len(batch), len(batch) / len(micro["labels"])
         loss, _ = sft_microbatch_train_step(out["log_probs"], micro["response_mask"], accumulation, normalize_constant)
-        loss_sum += loss.item()
+        sums[0] += loss.detach()
         if entropy:
-            entropy_sum += masked_normalize(out["token_entropy"], micro["response_mask"], 1.0).item()
-    result = {"loss": loss_sum, "n_response_tokens": n_response_tokens}
-    return {**result, "entropy_sum": entropy_sum} if entropy else result
+            sums[1] += masked_normalize(out["token_entropy"], micro["response_mask"], 1.0)
+    sum_over_ranks(policy, sums)
+    return {"loss": sums[0].item(), "entropy_sum": sums[1].item(), "n_response_tokens": sum(lengths)}
 
 
 # --- ALGORITHM: the expert-iteration filter ---
 
 
-def select_correct(
-    examples: list[dict], prompts: list[str], responses: list[list[str]], rewards: list[list[float]]
-) -> list[dict]:
+def select_correct(examples: list[dict], prompts: list[str], responses: list[list[str]],
+                   rewards: list[list[float]]) -> list[dict]:  # fmt: skip
     """The SFT data of one EI step: the responses the verifier accepted (reward == 1), each distinct text once per
     question, as {"prompt", "response", "example"} dicts (sft.py's pairs), in question order, then sample order.
     examples, prompts: Q questions; responses, rewards: Q lists of G. Deduplicated, or a question the policy always
@@ -277,7 +273,7 @@ def weights_that_differ(policy, llm: LLM, device: str) -> list[str]:
 
 def probe_gap(policy, llm: LLM, probe_prompts: list[list[int]], device: str, n_tokens: int = 16) -> float:
     """The engine continues each probe greedily, the trainer scores the same tokens: the worse prompt's median
-    |log-prob gap| (a near-tie token in bf16 must not stop a run). Generated: prompt log-probs skip the prefix cache."""
+    |log-prob gap| (a near-tie in bf16 must not stop a run). Generated: prompt log-probs skip the prefix cache."""
     params = SamplingParams(temperature=0.0, max_tokens=n_tokens, logprobs=0, ignore_eos=True)
     with engine_device(device):
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe_prompts], params, use_tqdm=False)
@@ -411,9 +407,8 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, keep: int) -> None:
     """checkpoints/step_N: a Hugging Face model folder and trainer_state.pt (no RNG state: all that is random derives
-    from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses nothing. Keeps the newest `keep`.
-    Rank 0 writes it: the ranks' weights are the same."""
-    if RANK:
+    from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses nothing. Keeps the newest `keep`."""
+    if RANK:  # the ranks' weights are the same
         return
     final = run_dir / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -424,6 +419,9 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    if len(checkpoints(run_dir)) == 1:
+        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e9
+        print(f"checkpoint {final}: {size:.3g} GB; the newest {keep or 'all'} are kept (--keep-checkpoints)")
     for old in checkpoints(run_dir)[:-keep] if keep else []:
         shutil.rmtree(old)
 
@@ -474,12 +472,12 @@ def make_logger(run_dir: Path, args):
 # --- PLUMBING: data parallel under torchrun (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
-RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others
+RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others (docs/distributed.md)
 
 
 def init_distributed(timeout_s: float) -> None:
-    """Under torchrun, join the other ranks (NCCL between GPUs, else gloo) before the engine starts (else it makes a
-    world of its own), and make the gloo group now, while all are here: that is a collective. Rank 0 prints."""
+    """Under torchrun: join the ranks (NCCL on GPUs, else gloo) before the engine starts, else it makes a world of its
+    own, and make the gloo group now, while all are here (a collective too). Rank 0 prints."""
     if WORLD_SIZE > 1:
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
@@ -488,13 +486,12 @@ def init_distributed(timeout_s: float) -> None:
 
 
 def my_share(items: list) -> list:
-    """This rank's contiguous share of a list every rank holds: rank r of W takes [r n / W, (r + 1) n / W)."""
+    """This rank's contiguous share of a list every rank holds."""
     return items[RANK * len(items) // WORLD_SIZE : (RANK + 1) * len(items) // WORLD_SIZE]
 
 
 def gather(items: list) -> list:
-    """Every rank's list, concatenated in rank order (alone: the list), after a monitored_barrier: a rank that does
-    not come within the timeout is named ("Rank 1 failed to pass monitoredBarrier"), and the run stops."""
+    """Every rank's list, concatenated in rank order, after a monitored_barrier (it names a rank that does not come)."""
     if not RANKS:
         return items
     dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
@@ -504,9 +501,7 @@ def gather(items: list) -> list:
 
 
 def sum_over_ranks(model, *tensors: torch.Tensor) -> None:
-    """Sum the model's gradients and these tensors over the ranks, in place, after a monitored_barrier. Each rank
-    divided its loss by the global count: the sums are one process's. DDP's all_reduce by hand: its hooks need as
-    many backward passes on every rank, and its wrapper renames the weights (module.*) that the reload matches."""
+    """Sum the gradients and these tensors over the ranks, in place: DDP's all-reduce by hand (docs/distributed.md)."""
     if RANKS:
         dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
         for p in model.parameters():
@@ -520,7 +515,8 @@ def main(args: Args) -> Path:
     if args.group_size > 1 and args.temperature == 0:
         raise ValueError(f"group_size={args.group_size} greedy samples would be one response; set --temperature")
     task = data.load_task(args, n_questions=args.n_questions)  # a bad spec stops here, before the engine starts
-    # --- PLUMBING: run folder, devices, engine, seeds, policy (the same steps in every script) ---
+    # --- PLUMBING: ranks, run folder, devices, engine, seeds, policy (the same steps in every script) ---
+    init_distributed(args.rank_timeout_s)  # under torchrun: every rank an engine, a trainer, a share of the questions
     run_dir = make_run_dir(args)
     policy_device, vllm_device, memory_fraction, reload_tol = resolve_devices(args)
     model_path = str(checkpoints(run_dir)[-1]) if checkpoints(run_dir) else args.model
@@ -546,29 +542,27 @@ def main(args: Args) -> Path:
 
     # --- ALGORITHM: the EI loop, one step = reload, sample, filter, fine-tune, (evaluate), save ---
     for step in range(start_step, args.n_ei_steps):
-        step_done = step + 1
-        t_step = time.time()
+        step_done, t_step = step + 1, time.time()
         # 1. Put the trainer's current weights into the engine: the samples must come from the policy being trained.
         gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)
-        time_reload = time.time() - t_step
+        time_reload, t0 = time.time() - t_step, time.time()
 
         # 2. Sample group_size responses to each of this step's questions.
-        t0 = time.time()
         examples, seeds = task.questions(args.n_questions, args.group_size, args.seed, step)
         prompts = [task.prompt(ex) for ex in examples]
         params = [SamplingParams(**sampling, stop=task.stop(ex), seed=seed)
                   for ex, seed in zip(examples, seeds, strict=True)]  # fmt: skip
-        with engine_device(vllm_device):
-            completions = [output.outputs for output in llm.generate(prompts, params, use_tqdm=True)]  # Q lists of G
-        time_generate = time.time() - t0
+        with engine_device(vllm_device):  # each rank its share of the questions; all are gathered below
+            mine = [output.outputs for output in llm.generate(my_share(prompts), my_share(params), use_tqdm=True)]
+        time_generate, t0 = time.time() - t0, time.time()
 
         # 3. Score every response and keep the correct ones, each distinct response once per question.
-        t0 = time.time()
-        responses = [[c.text for c in group] for group in completions]  # (Q, G)
         # One batch through score_batch: code examples run their programs in a pool of processes, one per core.
-        flat = iter(verifiers.score_batch([text for group in responses for text in group],
-                                          [ex for ex in examples for _ in range(args.group_size)]))  # fmt: skip
-        scores = [[next(flat) for _ in group] for group in responses]  # (Q, G) reward dicts
+        texts = [c.text for group in mine for c in group]
+        flat = iter(verifiers.score_batch(texts, [ex for ex in my_share(examples) for _ in range(args.group_size)]))
+        scores = gather([[next(flat) for _ in group] for group in mine])  # (Q, G) reward dicts
+        completions = gather(mine)  # Q lists of G, every rank all of them
+        responses = [[c.text for c in group] for group in completions]  # (Q, G)
         rewards = [[s["reward"] for s in group] for group in scores]  # (Q, G)
         kept = select_correct(examples, prompts, responses, rewards)
         rows = [{"step": step_done, **data.sft_row(p["prompt"], p["response"], p["example"])} for p in kept]
@@ -576,19 +570,15 @@ def main(args: Args) -> Path:
         # Lengths as generated (EOS excluded), looked up by question and text.
         n_tokens = {(examples[q]["id"], c.text): len(c.token_ids) for q, group in enumerate(completions) for c in group}
         kept_lengths = [n_tokens[p["example"]["id"], p["response"]] for p in kept]
-        metrics = {
-            "rollout/frac_solved": float(np.mean([max(group) == 1.0 for group in rewards])),
-            "rollout/accuracy": float(np.mean(rewards)),
-            "rollout/format_rate": float(np.mean([[s["format_reward"] for s in group] for group in scores])),
-            "rollout/response_length": float(np.mean([[len(c.token_ids) for c in group] for group in completions])),
-            "rollout/truncation_rate": float(np.mean([[c.finish_reason == "length" for c in g] for g in completions])),
-            "rollout/n_correct": int(np.sum(rewards)),
-            "rollout/n_kept": len(kept),
-            "rollout/kept_length": float(np.mean(kept_lengths or np.nan)),
-            "reload/logprob_gap": gap,
-            "time/score": time.time() - t0,
-            **task.rollout_metrics(examples, rewards),
-        }
+        samples = [c for group in completions for c in group]  # (Q G,)
+        metrics = {"rollout/frac_solved": float(np.mean([max(group) == 1.0 for group in rewards])),
+                   "rollout/accuracy": float(np.mean(rewards)), "rollout/n_correct": int(np.sum(rewards)),
+                   "rollout/format_rate": float(np.mean([[s["format_reward"] for s in group] for group in scores])),
+                   "rollout/response_length": float(np.mean([len(c.token_ids) for c in samples])),
+                   "rollout/truncation_rate": float(np.mean([c.finish_reason == "length" for c in samples])),
+                   "rollout/n_kept": len(kept), "rollout/kept_length": float(np.mean(kept_lengths or np.nan)),
+                   "reload/logprob_gap": gap, "time/score": time.time() - t0,
+                   **task.rollout_metrics(examples, rewards)}  # fmt: skip
 
         # 4. Fine-tune on the kept responses: n_sft_epochs passes, a fresh order per (seed, step, epoch).
         t0 = time.time()
@@ -606,19 +596,14 @@ def main(args: Args) -> Path:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 losses.append(out["loss"])
-                entropy_sum += out.get("entropy_sum", 0.0)
+                entropy_sum += out["entropy_sum"]
                 n_response_tokens += out["n_response_tokens"] if epoch == 0 else 0
-        metrics.update({
-            "train/loss": float(np.mean(losses or math.nan)),  # mean of the batches' mean NLL per response token
-            "train/entropy": entropy_sum / n_response_tokens if n_response_tokens else math.nan,
-            "train/grad_norm": float(np.mean(grad_norms or math.nan)),
-            "train/lr": scheduler.get_last_lr()[0],
-            "train/n_updates": len(losses),
-            "train/response_tokens": n_response_tokens,  # per epoch, EOS included
-            "time/reload": time_reload,
-            "time/generate": time_generate,
-            "time/train": time.time() - t0,
-        })  # fmt: skip
+        metrics |= {"train/loss": float(np.mean(losses or math.nan)),  # the mean of the batches' mean NLL per token
+                    "train/entropy": entropy_sum / n_response_tokens if n_response_tokens else math.nan,
+                    "train/grad_norm": float(np.mean(grad_norms or math.nan)), "train/lr": scheduler.get_last_lr()[0],
+                    "train/n_updates": len(losses), "train/response_tokens": n_response_tokens,  # an epoch's, EOS too
+                    "time/reload": time_reload, "time/generate": time_generate,
+                    "time/train": time.time() - t0}  # fmt: skip
 
         # 5. Evaluate (reloading first: the engine still holds the weights from before this step's updates), log, save.
         if step_done % args.eval_every == 0 or step_done == args.n_ei_steps:

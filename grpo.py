@@ -9,18 +9,18 @@ GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300) is PPO without a value
      response tokens, ratio_t = p(token) / p_old(token), for one or more optimizer steps on these rollouts;
   5. copy the new weights into the engine and *prove* it now samples from them (reload_and_check).
 
-Beyond the textbook, each an Args field (docs/grpo_family.md compares them): GSPO and CISPO losses, three loss
-aggregations, clip-higher, a k3 KL, several updates per rollout batch, DAPO's overlong penalty and dynamic sampling,
-truncated importance sampling. train/loss sits near 0 while the model learns: watch rollout/reward_mean.
+Beyond the textbook, each an Args field (docs/grpo_family.md): GSPO and CISPO losses, three loss aggregations,
+clip-higher, a k3 KL, several updates per rollout batch, DAPO's overlong penalty and dynamic sampling, truncated
+importance sampling. train/loss sits near 0 while the model learns: watch rollout/reward_mean.
 
-Deliberate simplifications: (1) one trainer process, and generation and training take turns; (2) groups with no
-signal are dropped (the batch shrinks, unless --dynamic-sampling draws more); (3) the reward is the verifier's 0 or 1,
-no format bonus; (4) the KL is in the loss (k3, per token), off by default as in TRL; (5) the engine/trainer mismatch
-is corrected per token (truncated at 2, verl's choice); (6) no value function, GAE or reward model.
+Deliberate simplifications: (1) generation and training take turns; more GPUs run it data parallel (torchrun: a
+whole model per rank); (2) groups with no signal are dropped (unless --dynamic-sampling draws more); (3) the reward is
+the verifier's 0 or 1; (4) the KL is in the loss (k3), off by default as in TRL; (5) the engine/trainer mismatch is
+corrected per token (truncated at 2, verl's choice).
 
 Usage:
     python grpo.py --model Qwen/Qwen3-1.7B-Base                    # GSM8K, R1-Zero template, 200 steps, 2 GPUs
-    python grpo.py --model runs/sft__1__1763700000/checkpoints/step_000200 --loss-aggregation sequence_mean
+    torchrun --nproc-per-node 4 grpo.py --model Qwen/Qwen3-1.7B-Base  # 8 GPUs: 4 ranks of 2 (docs/distributed.md)
     python grpo.py --dataset gsm8k:0.25,math:0.25,mbpp:0.25,ifeval:0.25 --data-dir ../shared/data \\
         --dataset-templates ifeval=question                        # a mixture of tasks: docs/tasks.md
   No GPU: `python ladder.py` runs tiny model -> SFT -> GRPO, printing each stage's command line (~4 s a GRPO step).
@@ -62,8 +62,8 @@ class Args:
     wandb_project: str = "rlvr-grpo"  # the W&B project, with --track
     # --- model ---
     model: str = "Qwen/Qwen3-1.7B-Base"  # Hugging Face name or folder; also the KL reference
-    policy_device: str | None = None  # device of the trainer; None: cuda:0 if there is a GPU, else cpu
-    vllm_device: str | None = None  # device of the vLLM engine; None: cuda:1 with two GPUs, else the policy's device
+    policy_device: str | None = None  # device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)
+    vllm_device: str | None = None  # device of the vLLM engine; None: this rank's second GPU, else the trainer's
     vllm_gpu_memory_utilization: float | None = None  # the engine's share of its GPU; None: 0.85 alone, 0.3 shared
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, about 30% more time
     # --- data ---
@@ -73,7 +73,7 @@ class Args:
     dataset_templates: list[str] = field(default_factory=list)  # e.g. ifeval=question: another template for a dataset
     curriculum: list[str] = field(default_factory=list)  # e.g. mbpp=order.txt: a dataset's questions in a file's order
     # --- generation ---
-    n_grpo_steps: int = 200  # GRPO steps; each one generates a rollout batch, trains on it and reloads the engine
+    n_grpo_steps: int = 200  # GRPO steps: generate a rollout batch, train on it, reload the engine
     rollout_batch_size: int = 256  # responses per step: / group_size questions
     group_size: int = 8  # responses per question; their mean reward is each one's baseline (at least 2)
     temperature: float = 1.0  # sampling temperature; the trainer divides its logits by it too, so the ratio starts at 1
@@ -81,7 +81,7 @@ class Args:
     # --- optim ---
     lr: float = 1e-5  # peak learning rate of AdamW (reached after the warmup)
     weight_decay: float = 0.0  # AdamW weight decay
-    warmup_steps: int = 0  # GRPO steps over which the learning rate rises linearly from 0
+    warmup_steps: int = 0  # GRPO steps over whose optimizer steps the learning rate rises linearly from 0
     lr_schedule: str = "constant"  # after the warmup: constant | cosine (to 0 at the last GRPO step)
     train_batch_size: int = 256  # responses per optimizer step (fewer than a rollout batch: off-policy)
     epochs_per_rollout_batch: int = 1  # passes over each rollout batch; more than 1 is off-policy
@@ -111,7 +111,7 @@ class Args:
     save_every: int = 50  # checkpoint every this many GRPO steps (and at the end)
     keep_checkpoints: int = 2  # keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all
     reload_tol: float | None = None  # max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16
-    rank_timeout_s: float = 1800  # under torchrun: how long a rank waits for the others before naming them and stopping
+    rank_timeout_s: float = 1800  # under torchrun: seconds a rank waits for the others, then names the late and stops
 
 
 # --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
@@ -176,8 +176,8 @@ def compute_group_normalized_rewards(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:  # fmt: skip
     """Score each response and centre its reward on its group's: (advantages (B,), raw_rewards (B,), metadata).
     Responses i*G ... i*G + G - 1 form group i; reward_fn(response, ground_truth) returns a dict with "reward".
-    A = r - mean(group), divided by std(group) + advantage_eps if normalize_by_std: torch.std's unbiased std, as in
-    CS336, TRL and verl. A group of equal rewards gets A = 0 (0 / (0 + eps))."""
+    A = r - mean(group), divided by std(group) + advantage_eps if normalize_by_std (torch's unbiased std, as CS336,
+    TRL and verl). Equal rewards: A = 0."""
     if len(rollout_responses) % group_size != 0:
         raise ValueError(f"{len(rollout_responses)} responses do not make whole groups of {group_size}")
     reward_dicts = [reward_fn(r, gt) for r, gt in zip(rollout_responses, repeated_ground_truths, strict=True)]
@@ -281,7 +281,7 @@ def grpo_microbatch_train_step(
     Log-probs and response_mask (B, T); raw_rewards, advantages (B, 1) or (B,). The per-token loss
     l_it = v_it pg_it + beta k3_it (v_it = min(p_old / p_engine, is_cap), detached: the engine sampled in its own
     numerics, bf16, not from p_old; 1 without is_cap) is aggregated as sum_it w_it l_it over the response tokens,
-    with the weights of the WHOLE batch (N responses):
+    with the weights of the WHOLE batch (N responses, on every rank together):
         sequence_mean  w_it = 1 / (N |o_i|): mean over each response's tokens, then over responses (GRPO, CS336).
                        Every response weighs the same, so a token of a long wrong answer is penalised less.
         token_mean     w_it = 1 / n_batch_tokens: one mean over all tokens (DAPO; TRL's and verl's default).
@@ -319,12 +319,19 @@ def grpo_microbatch_train_step(
 
 
 def groups_with_signal(raw_rewards: torch.Tensor, group_size: int, loss_type: str) -> torch.Tensor:
-    """(n_groups,) bool: the groups whose loss has a gradient: rewards not all equal (A = 0 otherwise); for
-    no_baseline (-r log p), any reward not 0: an all-correct group still pushes its responses up."""
+    """(n_groups,) bool: the groups whose loss has a gradient: rewards not all equal (else A = 0); for no_baseline
+    (-r log p), any reward not 0."""
     rewards = raw_rewards.view(-1, group_size)  # (n_groups, G)
     if loss_type == "no_baseline":
         return (rewards != 0).any(dim=1)
     return rewards.std(dim=1) > 0
+
+
+def catch_up_scheduler(scheduler, n_steps_done: int, updates_per_step: int) -> None:
+    """Step the schedule over the optimizer steps a GRPO step did not take: else a cosine never reaches 0."""
+    with warnings.catch_warnings(action="ignore"):  # of a schedule step with no optimizer step: the point
+        while scheduler.last_epoch < n_steps_done * updates_per_step:
+            scheduler.step()
 
 
 # --- ALGORITHM: rollouts as training tensors, the update; GRPO's bookkeeping (arguments, rollouts.jsonl, metrics) ---
@@ -353,20 +360,20 @@ def frozen_log_probs(model, batch: dict, lengths: list[int], rows: list[int], mi
     return log_probs
 
 
-def update_policy(policy, reference, optimizer, batch: dict, lengths: list[int], args: Args, step: int,
+def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths: list[int], args: Args, step: int,
                   autocast, n_bad_in_a_row: int) -> tuple[dict, int]:  # fmt: skip
     """Epochs over a rollout batch (input_ids, labels, response_mask, engine_log_probs (n, T); advantages, raw_rewards
-    (n,)), an optimizer step per minibatch, gradients accumulated over microbatches; under torchrun each rank trains on
-    every W-th row of a minibatch by length, and the gradients are summed. Returns the sums (per-token metadata summed
-    over the response tokens) and the count of non-finite updates in a row: the third stops the run."""
+    (n,)), an optimizer step per minibatch, gradients accumulated over microbatches (each rank's, summed). Returns the
+    sums (per-token metadata summed over the response tokens) and the non-finite updates in a row: 3 stop the run."""
     device = next(policy.parameters()).device
     tensors = {k: batch[k] for k in ("input_ids", "labels", "response_mask", "engine_log_probs")}
     advantages, raw_rewards = batch["advantages"].to(device), batch["raw_rewards"].to(device)
     n_minibatches = args.rollout_batch_size // args.train_batch_size
     sums = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "positions": sum(lengths) + len(lengths)}
-    plan = [part.tolist() for epoch in range(args.epochs_per_rollout_batch) for part in np.array_split(  # every rank's
-        np.random.default_rng([args.seed, step, epoch]).permutation(len(lengths)), n_minibatches) if len(part)]
-    mine = lambda minibatch: sorted(minibatch, key=lambda i: lengths[i])[RANK::WORLD_SIZE]  # as many tokens each
+    orders = [np.random.default_rng([args.seed, step, epoch]).permutation(len(lengths))  # every rank's
+              for epoch in range(args.epochs_per_rollout_batch)]  # fmt: skip
+    plan = [part.tolist() for order in orders for part in np.array_split(order, n_minibatches) if len(part)]
+    mine = lambda minibatch: sorted(minibatch, key=lambda i: lengths[i])[RANK::WORLD_SIZE]  # balanced by length
     # Old and reference log-probs: once per rollout batch, before the first optimizer step.  (n, T) each
     my_rows = sorted({i for minibatch in plan for i in mine(minibatch)})
     frozen = lambda model: frozen_log_probs(model, tensors, lengths, my_rows, args.microbatch_size, args.temperature)
@@ -380,8 +387,8 @@ def update_policy(policy, reference, optimizer, batch: dict, lengths: list[int],
             with autocast:
                 out = get_response_log_probs(policy, micro["input_ids"], micro["labels"], True, args.temperature)
             width = micro["labels"].shape[1]
-            # One optimizer step per rollout batch: the policy IS the old policy, and its own log-probs, detached,
-            # are the old ones (ratio 1, the same gradient) at no extra forward pass.
+            # One optimizer step per rollout batch: the policy IS the old policy; its own log-probs, detached, are
+            # the old ones, at no extra forward pass.
             old = out["log_probs"].detach() if old_log_probs is None else old_log_probs[rows, :width]
             loss, metadata = grpo_microbatch_train_step(
                 out["log_probs"], micro["response_mask"], n_micro, args.loss_type,
@@ -391,7 +398,7 @@ def update_policy(policy, reference, optimizer, batch: dict, lengths: list[int],
                 ref_log_probs=None if ref_log_probs is None else ref_log_probs[rows, :width], beta=args.beta,
                 engine_log_probs=micro["engine_log_probs"], is_cap=args.vllm_importance_sampling_cap,
             )  # fmt: skip
-            # Summed over the response tokens, on the device: an .item() per microbatch would wait for the GPU.
+            # Summed on the device: an .item() per microbatch would wait for the GPU.
             update_loss, mask = update_loss + loss, micro["response_mask"]
             per_token = {"entropy": out["token_entropy"], "tokens": torch.ones_like(mask), **metadata}
             for key, tensor in per_token.items():
@@ -403,6 +410,7 @@ def update_policy(policy, reference, optimizer, batch: dict, lengths: list[int],
         n_bad_in_a_row = 0 if finite else n_bad_in_a_row + 1
         if finite:
             optimizer.step()
+            scheduler.step()
             sums.update(loss=sums["loss"] + update_loss, grad_norm=sums["grad_norm"] + grad_norm,
                         updates=sums["updates"] + 1)  # fmt: skip
         elif n_bad_in_a_row >= 3:
@@ -436,7 +444,7 @@ def check_args(args: Args) -> None:
 
 
 def write_rollouts(path: Path, step: int, examples, prompts, completions, rewards, advantages, trained, group_size):
-    """One line per group in rollouts.jsonl: question, responses, rewards, advantages, which ones were trained on."""
+    """One line per group in rollouts.jsonl: question, responses, rewards, advantages, which were trained on."""
     groups = [range(j * group_size, (j + 1) * group_size) for j in range(len(examples))]
     append_jsonl(path, [{"step": step, "dataset": ex["dataset"], "id": ex["id"], "answer": ex["answer"],
                          "prompt": prompt, "responses": [completions[i].text for i in group],
@@ -447,14 +455,14 @@ def write_rollouts(path: Path, step: int, examples, prompts, completions, reward
                         for ex, prompt, group in zip(examples, prompts, groups, strict=True)])  # fmt: skip
 
 
-# train/<name>: the per-token means of the update's sums (grpo_microbatch_train_step's metadata, where it has them)
+# train/<name>: the per-token means of the update's sums (grpo_microbatch_train_step's metadata)
 TOKEN_MEANS = {"entropy": "entropy", "clipped": "clip_fraction", "clipped_low": "clip_fraction_low",
                "clipped_high": "clip_fraction_high", "kl": "kl", "engine_gap": "engine_logprob_gap",
                "above_is_cap": "frac_above_is_cap"}  # fmt: skip
 
 
 def step_metrics(reward_metadata: dict, completions: list, n_trained: int, sums: dict, extra: dict, args: Args) -> dict:
-    """One GRPO step's metrics: rollout statistics, and the means of the update's sums."""
+    """One GRPO step's metrics: rollout statistics, the means of the update's sums."""
     lengths = [len(c.token_ids) for c in completions]
     metrics = {**{f"rollout/{key}": value for key, value in reward_metadata.items()},
                "rollout/response_length": float(np.mean(lengths)), "rollout/response_length_max": max(lengths),
@@ -531,7 +539,7 @@ def weights_that_differ(policy, llm: LLM, device: str) -> list[str]:
 
 def probe_gap(policy, llm: LLM, probe_prompts: list[list[int]], device: str, n_tokens: int = 16) -> float:
     """The engine continues each probe greedily, the trainer scores the same tokens: the worse prompt's median
-    |log-prob gap| (a near-tie token in bf16 must not stop a run). Generated: prompt log-probs skip the prefix cache."""
+    |log-prob gap| (a near-tie in bf16 must not stop a run). Generated: prompt log-probs skip the prefix cache."""
     params = SamplingParams(temperature=0.0, max_tokens=n_tokens, logprobs=0, ignore_eos=True)
     with engine_device(device):
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe_prompts], params, use_tqdm=False)
@@ -665,9 +673,8 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, keep: int) -> None:
     """checkpoints/step_N: a Hugging Face model folder and trainer_state.pt (no RNG state: all that is random derives
-    from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses nothing. Keeps the newest `keep`.
-    Rank 0 writes it: the ranks' weights are the same."""
-    if RANK:
+    from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses nothing. Keeps the newest `keep`."""
+    if RANK:  # the ranks' weights are the same
         return
     final = run_dir / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -678,6 +685,9 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    if len(checkpoints(run_dir)) == 1:
+        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e9
+        print(f"checkpoint {final}: {size:.3g} GB; the newest {keep or 'all'} are kept (--keep-checkpoints)")
     for old in checkpoints(run_dir)[:-keep] if keep else []:
         shutil.rmtree(old)
 
@@ -728,12 +738,12 @@ def make_logger(run_dir: Path, args):
 # --- PLUMBING: data parallel under torchrun (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
-RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others
+RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others (docs/distributed.md)
 
 
 def init_distributed(timeout_s: float) -> None:
-    """Under torchrun, join the other ranks (NCCL between GPUs, else gloo) before the engine starts (else it makes a
-    world of its own), and make the gloo group now, while all are here: that is a collective. Rank 0 prints."""
+    """Under torchrun: join the ranks (NCCL on GPUs, else gloo) before the engine starts, else it makes a world of its
+    own, and make the gloo group now, while all are here (a collective too). Rank 0 prints."""
     if WORLD_SIZE > 1:
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
@@ -742,13 +752,12 @@ def init_distributed(timeout_s: float) -> None:
 
 
 def my_share(items: list) -> list:
-    """This rank's contiguous share of a list every rank holds: rank r of W takes [r n / W, (r + 1) n / W)."""
+    """This rank's contiguous share of a list every rank holds."""
     return items[RANK * len(items) // WORLD_SIZE : (RANK + 1) * len(items) // WORLD_SIZE]
 
 
 def gather(items: list) -> list:
-    """Every rank's list, concatenated in rank order (alone: the list), after a monitored_barrier: a rank that does
-    not come within the timeout is named ("Rank 1 failed to pass monitoredBarrier"), and the run stops."""
+    """Every rank's list, concatenated in rank order, after a monitored_barrier (it names a rank that does not come)."""
     if not RANKS:
         return items
     dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
@@ -758,9 +767,7 @@ def gather(items: list) -> list:
 
 
 def sum_over_ranks(model, *tensors: torch.Tensor) -> None:
-    """Sum the model's gradients and these tensors over the ranks, in place, after a monitored_barrier. Each rank
-    divided its loss by the global count: the sums are one process's. DDP's all_reduce by hand: its hooks need as
-    many backward passes on every rank, and its wrapper renames the weights (module.*) that the reload matches."""
+    """Sum the gradients and these tensors over the ranks, in place: DDP's all-reduce by hand (docs/distributed.md)."""
     if RANKS:
         dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
         for p in model.parameters():
@@ -785,11 +792,10 @@ def main(args: Args) -> Path:
     longest_prompt = max(len(ids) for ids in tokenizer([task.prompt(ex) for ex in all_examples])["input_ids"])
     # The engine's context must hold a prompt and its response, and the 400-token reload probes plus 16 tokens.
     max_model_len = max(longest_prompt, 400) + max(args.max_tokens, args.eval_max_tokens, 16)
-    # The engine first, while the GPU is empty: vLLM refuses to start unless gpu_memory_utilization x the GPU's memory
-    # is free, then keeps it; the trainer (which allocates as it goes) gets the rest.
+    # The engine first: it starts only if gpu_memory_utilization x its GPU is free; the trainer gets the rest.
     llm = init_vllm(model_path, vllm_device, args.seed, memory_fraction, max_model_len)
     policy, autocast = load_policy(model_path, policy_device, args.gradient_checkpointing, args.seed)
-    # The KL penalty's reference: the starting model (also after --resume), frozen: bf16 on a GPU saves 3.2 GiB
+    # The KL penalty's reference: the starting model (also after --resume), frozen, bf16 on a GPU
     dtype = torch.bfloat16 if policy_device.startswith("cuda") else torch.float32
     reference = (AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(policy_device).requires_grad_(False)
                  if args.beta > 0 else None)  # fmt: skip
@@ -800,9 +806,10 @@ def main(args: Args) -> Path:
 
     # --- Optimizer and resume ---
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
-    # Linear warmup, then constant or a cosine to 0 at the last GRPO step: one learning rate per GRPO step
+    updates_per_step = args.rollout_batch_size // args.train_batch_size * args.epochs_per_rollout_batch
+    # Linear warmup, then constant or a cosine to 0 at the last GRPO step, counted in optimizer steps
     scheduler = get_scheduler("cosine" if args.lr_schedule == "cosine" else "constant_with_warmup", optimizer,
-                              args.warmup_steps, args.n_grpo_steps)  # fmt: skip
+                              args.warmup_steps * updates_per_step, args.n_grpo_steps * updates_per_step)  # fmt: skip
     start_step = resume_from(run_dir, optimizer, scheduler, "rollouts.jsonl")
     log = make_logger(run_dir, args)
     gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)  # the engine follows from step 0 on
@@ -815,13 +822,13 @@ def main(args: Args) -> Path:
     for step in range(start_step, args.n_grpo_steps):
         t_step = time.time()
         # --- 1. Generate and score: group_size responses to each of the step's questions; --dynamic-sampling draws
-        # more (DAPO; draw d from (seed + d * 1_000_003, step): --resume replays it) until n_prompts have a signal ---
+        # more (DAPO; draw d from (seed + d * 1_000_003, step)) until n_prompts have a signal ---
         examples, prompts, outputs, scores, t_score = [], [], [], [], 0.0
         for draw in range(args.max_draws if args.dynamic_sampling else 1):
             drawn, seeds = task.questions(n_prompts, args.group_size, args.seed + draw * 1_000_003, step)
             examples, prompts = examples + drawn, prompts + [task.prompt(ex) for ex in drawn]
             params = [SamplingParams(**sampling, stop=task.stop(e), seed=s) for e, s in zip(drawn, seeds, strict=True)]
-            with engine_device(vllm_device):  # each rank its share of the questions, then all of them on every rank
+            with engine_device(vllm_device):  # each rank its share of the questions; all are gathered below
                 mine = llm.generate(my_share(prompts[-n_prompts:]), my_share(params), use_tqdm=False)
             t0, new = time.time(), [c for output in mine for c in output.outputs]
             verdicts = verifiers.score_batch([c.text for c in new],
@@ -833,7 +840,7 @@ def main(args: Args) -> Path:
             rewards = torch.tensor([score["reward"] for score in scores])
             if groups_with_signal(rewards, args.group_size, args.loss_type).sum() >= n_prompts:
                 break
-        # Flattened, group by group: responses j * G ... j * G + G - 1 answer question j.  (B,) lists, B = n_groups G
+        # Flattened, group by group: responses j * G ... j * G + G - 1 answer question j.  (B,) lists
         completions = [c for output in outputs for c in output.outputs]
         prompt_ids = [list(output.prompt_token_ids) for output in outputs for _ in output.outputs]
         # log p_engine of each sampled token, after temperature (init_vllm asks for "processed_logprobs")
@@ -864,10 +871,9 @@ def main(args: Args) -> Path:
             batch["engine_log_probs"][batch["response_mask"]] = torch.tensor([v for i in rows for v in engine_lps[i]])
             batch["advantages"], batch["raw_rewards"] = advantages[rows], raw_rewards[rows]  # (n,) each
             lengths = [len(prompt_ids[i]) + len(completions[i].token_ids) - 1 for i in rows]  # unpadded positions
-            sums, n_bad_in_a_row = update_policy(policy, reference, optimizer, batch, lengths, args, step,
+            sums, n_bad_in_a_row = update_policy(policy, reference, optimizer, scheduler, batch, lengths, args, step,
                                                  autocast, n_bad_in_a_row)  # fmt: skip
-        with warnings.catch_warnings(action="ignore"):  # of a schedule step with no optimizer step (none trained)
-            scheduler.step()
+        catch_up_scheduler(scheduler, step + 1, updates_per_step)
         t_train = time.time() - t0
 
         # --- 4. Reload the new weights into the engine, and prove it follows them (unless nothing changed) ---
@@ -886,9 +892,9 @@ def main(args: Args) -> Path:
             metrics.update(evaluate(llm, policy, tokenizer, task, args, devices, run_dir, step_done))
         metrics["time/step"] = time.time() - t_step
         log(metrics, step_done)
+        why = "finite update" if rows else "group with a reward signal"
         trained = (f"loss {metrics['train/loss']:+.4f} grad {metrics['train/grad_norm']:.3f} | gap {gap:.0e}"
-                   if sums["updates"] else "nothing trained: " + ("no finite update" if rows else
-                                                                  "no group with a reward signal"))  # fmt: skip
+                   if sums["updates"] else f"nothing trained: no {why}")  # fmt: skip
         print(f"step {step_done:5d}/{args.n_grpo_steps} | reward {metrics['rollout/reward_mean']:.3f} | "
               f"len {metrics['rollout/response_length']:.0f} trunc {metrics['rollout/truncation_rate']:.2f} | "
               f"zero-std groups {metrics['rollout/frac_zero_std_groups']:.2f} | {trained} | "

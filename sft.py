@@ -1,18 +1,18 @@
 """Supervised fine-tuning (SFT) on reasoning traces, evaluated by a vLLM engine that reloads the trainer's weights.
 
 SFT is maximum likelihood on (prompt, response) pairs: minimise the negative log-probability of each response token
-(its EOS included) given the prompt and the tokens before it. The responses are worked solutions (a dataset's own, or
-a stronger model's traces in a JSONL file): a base model learns the answer format and a way of reasoning, and
-expert_iter.py and grpo.py start from its checkpoint. An engine on its own GPU evaluates while training goes on.
+(its EOS included) given the prompt and the tokens before it. On worked solutions (a dataset's, or a stronger model's
+traces) a base model learns the answer format and a way of reasoning; expert_iter.py and grpo.py start from its
+checkpoint. An engine on its own GPU evaluates while training goes on.
 
-Deliberate simplifications:
-1. One trainer process, no data or model parallelism: a 1.7B model in fp32 with AdamW fits one 80 GB GPU.
-2. Every optimizer step sees exactly `batch_size` examples (an epoch's last partial batch is dropped).
-3. The loss is the mean NLL over all response tokens of a batch, however it is split into microbatches or padded.
-4. A mixture (--dataset gsm8k:0.5,math:0.5) is mixed once, before training (data.sft_pairs); no curriculum.
+Deliberate simplifications: (1) more GPUs means data parallel (torchrun: each rank a whole model, an engine and a share
+of each batch): a 1.7B model in fp32 with AdamW fits one 80 GB GPU; (2) every optimizer step sees exactly `batch_size`
+examples (an epoch's last partial batch is dropped); (3) the loss is the mean NLL over a batch's response tokens,
+however microbatched or padded; (4) a mixture (--dataset gsm8k:0.5,math:0.5) is mixed once, before training.
 
 Usage:
     python sft.py --model Qwen/Qwen3-1.7B-Base                     # GSM8K solutions, R1-Zero template, 2 GPUs
+    torchrun --nproc-per-node 4 sft.py                             # 8 GPUs: 4 ranks of 2 (docs/distributed.md)
     python sft.py --model runs/tiny-qwen3 --dataset synthetic --batch-size 16 --lr 1e-3   # CPU, tiny model
     python sft.py --sft-file traces.jsonl --dataset gsm8k          # your own {"prompt", "response"} pairs
     python sft.py --dataset gsm8k:0.5,math:0.25,mbpp:0.25 --data-dir ../shared/data   # a mixture: docs/tasks.md
@@ -158,25 +158,25 @@ def sft_microbatch_train_step(policy_log_probs: torch.Tensor, response_mask: tor
 
 def sft_batch_train_step(policy, tokenizer, batch: list[dict], microbatch_size: int, max_seq_len: int, autocast,
                          entropy: bool = False) -> dict:  # fmt: skip
-    """Accumulate the gradient of one batch's mean NLL per response token over its microbatches (the last may be
-    short). batch: {"prompt", "response"}, responses ending in EOS. Returns loss, n_response_tokens (, entropy_sum)."""
+    """Accumulate the gradient of one batch's mean NLL per response token over microbatches, each rank's rows, summed.
+    batch: {"prompt", "response"}, responses ending in EOS. Returns loss, entropy_sum (or 0), n_response_tokens."""
     tokenized = tokenize_prompt_and_output([p["prompt"] for p in batch], [p["response"] for p in batch], tokenizer)
     tokenized = {k: v[:, : max_seq_len - 1] for k, v in tokenized.items()}  # (B, T), over-long examples cut
-    n_response_tokens = tokenized["response_mask"].sum().item()
-    device = next(policy.parameters()).device
-    loss_sum, entropy_sum = 0.0, 0.0
-    for start in range(0, len(batch), microbatch_size):
-        micro = {k: v[start : start + microbatch_size].to(device) for k, v in tokenized.items()}
+    lengths, device = tokenized["response_mask"].sum(-1).tolist(), next(policy.parameters()).device
+    mine = sorted(range(len(batch)), key=lambda i: lengths[i])[RANK::WORLD_SIZE]  # balanced by length
+    sums = torch.zeros(2, device=device)  # this rank's loss and entropy sum, on the device: no sync per microbatch
+    for start in range(0, len(mine), microbatch_size):
+        micro = {k: v[mine[start : start + microbatch_size]].to(device) for k, v in tokenized.items()}
         with autocast:
             out = get_response_log_probs(policy, micro["input_ids"], micro["labels"], return_token_entropy=entropy)
-        # Every response token of the batch weighs 1 / n_response_tokens, whatever microbatch it falls in.
-        normalize_constant, accumulation = n_response_tokens / len(batch), len(batch) / len(micro["labels"])
+        # Every response token of the batch weighs 1 / n_response_tokens, whatever microbatch or rank it falls in.
+        normalize_constant, accumulation = sum(lengths) / len(batch), len(batch) / len(micro["labels"])
         loss, _ = sft_microbatch_train_step(out["log_probs"], micro["response_mask"], accumulation, normalize_constant)
-        loss_sum += loss.item()
+        sums[0] += loss.detach()
         if entropy:
-            entropy_sum += masked_normalize(out["token_entropy"], micro["response_mask"], 1.0).item()
-    result = {"loss": loss_sum, "n_response_tokens": n_response_tokens}
-    return {**result, "entropy_sum": entropy_sum} if entropy else result
+            sums[1] += masked_normalize(out["token_entropy"], micro["response_mask"], 1.0)
+    sum_over_ranks(policy, sums)
+    return {"loss": sums[0].item(), "entropy_sum": sums[1].item(), "n_response_tokens": sum(lengths)}
 
 
 # --- PLUMBING: the vLLM engine and its weight reloads (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
@@ -241,7 +241,7 @@ def weights_that_differ(policy, llm: LLM, device: str) -> list[str]:
 
 def probe_gap(policy, llm: LLM, probe_prompts: list[list[int]], device: str, n_tokens: int = 16) -> float:
     """The engine continues each probe greedily, the trainer scores the same tokens: the worse prompt's median
-    |log-prob gap| (a near-tie token in bf16 must not stop a run). Generated: prompt log-probs skip the prefix cache."""
+    |log-prob gap| (a near-tie in bf16 must not stop a run). Generated: prompt log-probs skip the prefix cache."""
     params = SamplingParams(temperature=0.0, max_tokens=n_tokens, logprobs=0, ignore_eos=True)
     with engine_device(device):
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe_prompts], params, use_tqdm=False)
@@ -375,9 +375,8 @@ def checkpoints(run_dir: Path) -> list[Path]:
 
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, keep: int) -> None:
     """checkpoints/step_N: a Hugging Face model folder and trainer_state.pt (no RNG state: all that is random derives
-    from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses nothing. Keeps the newest `keep`.
-    Rank 0 writes it: the ranks' weights are the same."""
-    if RANK:
+    from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses nothing. Keeps the newest `keep`."""
+    if RANK:  # the ranks' weights are the same
         return
     final = run_dir / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -388,6 +387,9 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    if len(checkpoints(run_dir)) == 1:
+        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e9
+        print(f"checkpoint {final}: {size:.3g} GB; the newest {keep or 'all'} are kept (--keep-checkpoints)")
     for old in checkpoints(run_dir)[:-keep] if keep else []:
         shutil.rmtree(old)
 
@@ -438,12 +440,12 @@ def make_logger(run_dir: Path, args):
 # --- PLUMBING: data parallel under torchrun (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
-RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others
+RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others (docs/distributed.md)
 
 
 def init_distributed(timeout_s: float) -> None:
-    """Under torchrun, join the other ranks (NCCL between GPUs, else gloo) before the engine starts (else it makes a
-    world of its own), and make the gloo group now, while all are here: that is a collective. Rank 0 prints."""
+    """Under torchrun: join the ranks (NCCL on GPUs, else gloo) before the engine starts, else it makes a world of its
+    own, and make the gloo group now, while all are here (a collective too). Rank 0 prints."""
     if WORLD_SIZE > 1:
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
@@ -452,13 +454,12 @@ def init_distributed(timeout_s: float) -> None:
 
 
 def my_share(items: list) -> list:
-    """This rank's contiguous share of a list every rank holds: rank r of W takes [r n / W, (r + 1) n / W)."""
+    """This rank's contiguous share of a list every rank holds."""
     return items[RANK * len(items) // WORLD_SIZE : (RANK + 1) * len(items) // WORLD_SIZE]
 
 
 def gather(items: list) -> list:
-    """Every rank's list, concatenated in rank order (alone: the list), after a monitored_barrier: a rank that does
-    not come within the timeout is named ("Rank 1 failed to pass monitoredBarrier"), and the run stops."""
+    """Every rank's list, concatenated in rank order, after a monitored_barrier (it names a rank that does not come)."""
     if not RANKS:
         return items
     dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
@@ -468,9 +469,7 @@ def gather(items: list) -> list:
 
 
 def sum_over_ranks(model, *tensors: torch.Tensor) -> None:
-    """Sum the model's gradients and these tensors over the ranks, in place, after a monitored_barrier. Each rank
-    divided its loss by the global count: the sums are one process's. DDP's all_reduce by hand: its hooks need as
-    many backward passes on every rank, and its wrapper renames the weights (module.*) that the reload matches."""
+    """Sum the gradients and these tensors over the ranks, in place: DDP's all-reduce by hand (docs/distributed.md)."""
     if RANKS:
         dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
         for p in model.parameters():
@@ -486,7 +485,8 @@ def main(args: Args) -> Path:
     pairs = data.sft_pairs(task, args.sft_file, args.n_examples, args.seed, keep)
     if len(pairs) < args.batch_size:
         raise ValueError(f"{len(pairs)} training examples is fewer than one batch of {args.batch_size}")
-    # --- PLUMBING: run folder, devices, engine, seeds, policy (the same steps in every script) ---
+    # --- PLUMBING: ranks, run folder, devices, engine, seeds, policy (the same steps in every script) ---
+    init_distributed(args.rank_timeout_s)  # under torchrun: every rank an engine, a trainer, a share of each batch
     run_dir = make_run_dir(args)
     policy_device, vllm_device, memory_fraction, reload_tol = resolve_devices(args)
     model_path = str(checkpoints(run_dir)[-1]) if checkpoints(run_dir) else args.model
@@ -509,6 +509,8 @@ def main(args: Args) -> Path:
     log = make_logger(run_dir, args)
     devices, evaluator, evaluation = (policy_device, vllm_device), ThreadPoolExecutor(max_workers=1), None
     background = vllm_device != policy_device if args.eval_in_background is None else args.eval_in_background
+    # Off under torchrun: evaluate() gathers, and collectives from two threads, in other orders on two ranks, deadlock
+    background &= WORLD_SIZE == 1
 
     def reload_and_evaluate(policy, step: int) -> tuple[dict, int]:  # in the background, a frozen copy of the policy
         gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)  # (+6.8 GB for Qwen3-1.7B fp32)
@@ -527,14 +529,13 @@ def main(args: Args) -> Path:
 
     # --- ALGORITHM: one optimizer step per batch of `batch_size` examples ---
     for step in range(start_step, n_steps):
-        t0 = time.time()
+        step_done, t0 = step + 1, time.time()
         batch = [pairs[i] for i in data.batch_order(len(pairs), args.batch_size, args.seed, step)]
         out = sft_batch_train_step(policy, tokenizer, batch, args.microbatch_size, args.max_seq_len, autocast)
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        step_done = step + 1
         metrics = {"train/loss": out["loss"], "train/grad_norm": grad_norm, "train/lr": scheduler.get_last_lr()[0],
                    "train/response_tokens": out["n_response_tokens"], "time/step": time.time() - t0}  # fmt: skip
         print(f"step {step_done:5d}/{n_steps} | loss {out['loss']:.4f} | grad norm {grad_norm:.3f} | "

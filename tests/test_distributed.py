@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, get_scheduler
 
 import grpo
 
@@ -50,8 +50,9 @@ def one_update(model_dir: str, aggregation: str, n_rows: int) -> tuple[dict, dic
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).requires_grad_(False)
     # SGD: the weights move by the gradients themselves (Adam would blow a 1e-7 difference of a ~0 gradient up to lr)
     optimizer = torch.optim.SGD(policy.parameters(), lr=args.lr)
+    scheduler = get_scheduler("constant", optimizer)
     batch, lengths = rollout_batch(n_rows)
-    sums, _ = grpo.update_policy(policy, reference, optimizer, batch, lengths, args, 0, autocast, 0)
+    sums, _ = grpo.update_policy(policy, reference, optimizer, scheduler, batch, lengths, args, 0, autocast, 0)
     sums = {k: float(v) for k, v in sums.items()}
     return sums, {k: v.detach().clone() for k, v in policy.state_dict().items()}
 

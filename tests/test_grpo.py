@@ -353,6 +353,21 @@ def test_groups_with_signal():
         assert groups_with_signal(rewards, 2, loss_type).tolist() == [False, False, True]
 
 
+def test_cosine_schedule_reaches_zero_when_updates_are_skipped():
+    # 4 GRPO steps of 2 optimizer steps; step 2 trains nothing (no group with signal). The schedule follows GRPO
+    # steps: at the end the learning rate is 0, and step 3 starts where an uninterrupted schedule would.
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = transformers.get_scheduler("cosine", optimizer, 0, 8)  # as grpo.main makes it
+    lrs = []
+    for step in range(4):
+        for _ in range(0 if step == 1 else 2):
+            lrs.append(scheduler.get_last_lr()[0])
+            scheduler.step()
+        grpo.catch_up_scheduler(scheduler, step + 1, 2)
+    expected = [0.5 * (1 + math.cos(math.pi * k / 8)) for k in (0, 1, 4, 5, 6, 7)]
+    assert lrs == pytest.approx(expected) and scheduler.get_last_lr()[0] == pytest.approx(0, abs=1e-12)
+
+
 def test_step_metrics_by_hand():
     # step_metrics divides the update's per-token sums by the token count: entropy 14 over 6 tokens, no token clipped;
     # 2 updates.
