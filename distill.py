@@ -8,8 +8,9 @@ lowering the reverse KL(student p || teacher q): grpo.py with another advantage,
   4. minimise -A_t log p(o_t), one mean over the batch's tokens: as E_p[grad log p] = 0, its gradient is the
      reverse KL's, E_p[(log p - log q) grad log p]; one optimizer step per rollout batch (no ratio, no clipping);
   5. copy the new weights into the engine and *prove* it now samples from them (reload_and_check).
-Simplifications: generation and training take turns (more GPUs: data parallel, docs/distributed.md); the KL is estimated on the sampled token, not over the
-vocabulary, and at each position alone (no credit to later tokens); the teacher must share the student's tokenizer.
+Simplifications: generation and training take turns (more GPUs: data parallel, docs/distributed.md); the KL is
+estimated on the sampled token, not over the vocabulary, and at each position alone (no credit to later tokens); the
+teacher must share the student's tokenizer.
 
 Usage:
     python distill.py --model runs/sft__1__<time>/checkpoints/step_000217 --teacher Qwen/Qwen3-8B   # 2 GPUs
