@@ -135,14 +135,16 @@ def test_two_ranks_run_as_one_rank_does(two_rank_run, tiny_model_dir, tmp_path):
 
 
 def test_a_rank_that_dies_stops_the_run_named_and_resume_finishes_it(two_rank_run, tiny_model_dir, tmp_path):
-    # Rank 1 is killed (SIGKILL) in step 3's scoring (its 18th reward call: 1 in the first evaluation, 8 a step, ...).
+    # Rank 1 is killed (SIGKILL) in step 2's evaluation, after the step-1 checkpoint: its 18th reward call (1 in the
+    # first evaluation, 8 a step, 1 in step 2's evaluation).
     t0 = time.time()
     code, output = torchrun(2, tmp_path, model=tiny_model_dir, fail={"FAIL": "die", "FAIL_RANK": "1", "FAIL_AT": "18"})
     assert code != 0 and "rank      : 1 (local_rank: 1)" in output and "SIGKILL" in output, output[-3000:]
     print(f"killed run: {time.time() - t0:.0f} s")
     (run_dir,) = tmp_path.iterdir()
+    assert [path.name for path in grpo.checkpoints(run_dir)] == ["step_000001"]  # step 2's save never came
     code, output = torchrun(2, tmp_path, "--resume", str(run_dir), model=tiny_model_dir)
-    assert code == 0 and "resumed from" in output, output[-3000:]
+    assert code == 0 and "after step 1" in output, output[-3000:]
     assert read_jsonl(run_dir / "rollouts.jsonl") == read_jsonl(two_rank_run / "rollouts.jsonl")
     steps = lambda run: [(m["step"], m.get("rollout/reward_mean")) for m in read_jsonl(run / "metrics.jsonl")]
     assert steps(run_dir) == steps(two_rank_run)
