@@ -163,7 +163,7 @@ def sft_batch_train_step(policy, tokenizer, batch: list[dict], microbatch_size: 
     tokenized = tokenize_prompt_and_output([p["prompt"] for p in batch], [p["response"] for p in batch], tokenizer)
     tokenized = {k: v[:, : max_seq_len - 1] for k, v in tokenized.items()}  # (B, T), over-long examples cut
     lengths, device = tokenized["response_mask"].sum(-1).tolist(), next(policy.parameters()).device
-    mine = sorted(range(len(batch)), key=lambda i: lengths[i])[RANK::WORLD_SIZE]  # balanced by length
+    mine = list(range(RANK, len(batch), WORLD_SIZE))  # every W-th example; alone, all of them, in order
     sums = torch.zeros(2, device=device)  # this rank's loss and entropy sum, on the device: no sync per microbatch
     for start in range(0, len(mine), microbatch_size):
         micro = {k: v[mine[start : start + microbatch_size]].to(device) for k, v in tokenized.items()}
