@@ -982,6 +982,11 @@ class Task:
     def stop(self, example: dict) -> list[str] | None:
         return stop_strings(self.templates[example["dataset"]]) or None
 
+    def longest_prompt(self) -> int:
+        """The longest prompt of the train and eval examples, in tokens: the engine's context must hold it."""
+        examples = self.train + [ex for evals in self.evals.values() for ex in evals]
+        return max(len(ids) for ids in self.tokenizer([self.prompt(ex) for ex in examples])["input_ids"])
+
     def questions(self, n_questions: int, group_size: int, seed: int, step: int) -> tuple[list[dict], list[int]]:
         """The questions of step `step` and the engine's sampling seed for each (mixture_questions_and_seeds)."""
         picks, seeds = mixture_questions_and_seeds(self.sizes, self.weights, n_questions, group_size, seed, step,
@@ -1023,13 +1028,15 @@ def load_task(args, tokenizer=None, n_questions: int = 0, train: bool = True) ->
 def eval_metrics(records: list[dict]) -> dict:
     """Greedy evaluation's means over records {"dataset", "reward": reward dict, "n_tokens", "truncated"}: over all
     of them, and eval/<dataset>/accuracy for each dataset (a mixture's totals weigh each dataset by its n_eval)."""
-    mean = lambda key, rows: float(np.mean([r[key] for r in rows]))
+    mean = lambda key, rows: float(np.mean([r[key] for r in rows])) if rows else None  # None: strict JSON
     metrics = {f"eval/{d}/accuracy": float(np.mean([r["reward"]["reward"] for r in records if r["dataset"] == d]))
                for d in dict.fromkeys(r["dataset"] for r in records)}  # fmt: skip
     return {
         "eval/accuracy": float(np.mean([r["reward"]["reward"] for r in records])),
         "eval/format_rate": float(np.mean([r["reward"]["format_reward"] for r in records])),
         "eval/response_length": mean("n_tokens", records),
+        "eval/response_length_correct": mean("n_tokens", [r for r in records if r["reward"]["reward"] == 1]),
+        "eval/response_length_incorrect": mean("n_tokens", [r for r in records if r["reward"]["reward"] != 1]),
         "eval/truncation_rate": mean("truncated", records),
         **metrics,
     }

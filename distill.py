@@ -1,16 +1,14 @@
-"""On-policy distillation (Agarwal et al. 2024, arXiv:2306.13649; Qwen3's small models): the student samples through a
-vLLM engine, a teacher grades every sampled token, and the student steps toward the teacher on its own responses,
-lowering the reverse KL(student p || teacher q): grpo.py with another advantage, and no verifier needed. Each step:
+"""On-policy distillation (Agarwal et al. 2024, arXiv:2306.13649; Qwen3's small models), grpo.py with another advantage:
+the student lowers its reverse KL(p || q) to a teacher q on its own samples, with no verifier needed. Each step:
   1. sample `rollout_batch_size / group_size` questions and let the engine write `group_size` responses to each;
   2. the teacher grades every sampled token o_t: log q(o_t | prompt, o_<t), one forward pass per response;
-  3. per-token advantage A_t = -(log p(o_t) - log q(o_t)), detached: minus the sampled reverse-KL estimate (what
-     the teacher likes more than the student is pushed up); --reward-weight w adds w x grpo.py's advantage;
-  4. minimise -A_t log p(o_t), one mean over the batch's tokens: as E_p[grad log p] = 0, its gradient is the
-     reverse KL's, E_p[(log p - log q) grad log p]; one optimizer step per rollout batch (no ratio, no clipping);
+  3. per-token advantage A_t = -(log p(o_t) - log q(o_t)), detached: minus the sampled reverse-KL estimate (what the
+     teacher likes more than the student is pushed up); --reward-weight w adds w x grpo.py's advantage;
+  4. minimise -A_t log p(o_t), one mean over the batch's tokens: as E_p[grad log p] = 0, its gradient is the reverse
+     KL's, E_p[(log p - log q) grad log p]; one optimizer step per rollout batch (no ratio, no clipping);
   5. copy the new weights into the engine and *prove* it now samples from them (reload_and_check).
-Simplifications: generation and training take turns (more GPUs: data parallel, docs/distributed.md); the KL is
-estimated on the sampled token, not over the vocabulary, and at each position alone (no credit to later tokens); the
-teacher must share the student's tokenizer.
+Simplifications: generation and training take turns (more GPUs: docs/distributed.md); the KL is estimated on the
+sampled token, not over the vocabulary, at each position alone (no credit to later tokens); one tokenizer for both.
 
 Usage:
     python distill.py --model runs/sft__1__<time>/checkpoints/step_000217 --teacher Qwen/Qwen3-8B   # 2 GPUs
@@ -27,6 +25,7 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +34,6 @@ import torch.distributed as dist
 import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_constant_schedule_with_warmup
 from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
 
 import data
 import verifiers
@@ -53,8 +51,8 @@ class Args:
     # --- model ---
     model: str = "Qwen/Qwen3-1.7B-Base"  # the student: Hugging Face name or folder (an SFT checkpoint)
     teacher: str = "Qwen/Qwen3-8B"  # the teacher: any causal LM with the student's tokenizer
-    policy_device: str | None = None  # device of the trainer; None: cuda:0 if there is a GPU, else cpu
-    vllm_device: str | None = None  # device of the vLLM engine; None: cuda:1 with two GPUs, else the policy's device
+    policy_device: str | None = None  # device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)
+    vllm_device: str | None = None  # device of the vLLM engine; None: this rank's second GPU, else the trainer's
     vllm_gpu_memory_utilization: float | None = None  # the engine's share of its GPU; None: 0.85 alone, 0.3 shared
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, about 30% more time
     # --- data ---
@@ -122,24 +120,21 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
     """log p(labels[t] | input_ids[:t+1]): (B, T) -> {"log_probs": (B, T)}, and "token_entropy" (B, T). The logits
     are divided by `temperature` as the engine's are when it samples (grpo.py needs it; SFT uses 1)."""
     logits = model(input_ids).logits.float()  # (B, T, V); float32 even under bf16 autocast
-    if temperature != 1.0:  # not at T = 1: another (B, T, V) float32 copy, for nothing
-        logits = logits / temperature
+    logits = logits / temperature if temperature != 1.0 else logits  # at T = 1, no second (B, T, V) copy
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    out = {"log_probs": log_probs}
-    if return_token_entropy:
-        with torch.no_grad():
-            out["token_entropy"] = compute_entropy(logits)
-    return out
+    if not return_token_entropy:
+        return {"log_probs": log_probs}
+    with torch.no_grad():
+        return {"log_probs": log_probs, "token_entropy": compute_entropy(logits)}
 
 
 def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, normalize_constant: float,
                      dim: int | None = None) -> torch.Tensor:  # fmt: skip
     """Sum of `tensor` where mask is 1, over `dim` (all dims if None), divided by normalize_constant."""
-    masked = tensor * mask
-    return (masked.sum() if dim is None else masked.sum(dim=dim)) / normalize_constant
+    return (tensor * mask).sum(dim=dim) / normalize_constant
 
 
-# --- ALGORITHM: the distillation advantage and loss (pure functions; tests/test_distill.py checks them by hand) ---
+# --- ALGORITHM: the advantage and loss (pure: tests/test_distill.py checks them by hand), the update, the teacher ---
 
 
 def group_normalized_rewards(raw_rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -148,10 +143,8 @@ def group_normalized_rewards(raw_rewards: torch.Tensor, group_size: int, eps: fl
     return ((grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + eps)).reshape(-1)
 
 
-def compute_distill_advantages(
-    policy_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, reward_advantages: torch.Tensor | None = None,
-    reward_weight: float = 0.0,
-) -> torch.Tensor:  # fmt: skip
+def compute_distill_advantages(policy_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor,
+                               reward_advantages: torch.Tensor | None = None, reward_weight: float = 0.0):  # fmt: skip
     """A_t = -(log p(o_t) - log q(o_t)) + reward_weight A_reward, detached: the sampled tokens' log-probs (B, T) under
     student p and teacher q, reward_advantages (B,) -> (B, T). The first term: minus the sampled reverse KL."""
     reward_term = reward_weight * reward_advantages.reshape(-1, 1) if reward_weight else 0.0
@@ -159,9 +152,8 @@ def compute_distill_advantages(
 
 
 def distill_microbatch_train_step(
-    policy_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, response_mask: torch.Tensor,
-    n_batch_tokens: int, reward_advantages: torch.Tensor | None = None, reward_weight: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    policy_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, response_mask: torch.Tensor, n_batch_tokens: int,
+    reward_advantages: torch.Tensor | None = None, reward_weight: float = 0.0) -> tuple:  # fmt: skip
     """This microbatch's share of the batch loss sum_t -A_t log p(o_t) / n_batch_tokens (one mean over the batch's
     response tokens, however split); calls backward(). (B, T) in; the loss and log p - log q (B, T) out."""
     advantages = compute_distill_advantages(policy_log_probs, teacher_log_probs, reward_advantages, reward_weight)
@@ -170,12 +162,8 @@ def distill_microbatch_train_step(
     return loss.detach(), (policy_log_probs - teacher_log_probs).detach()
 
 
-# --- ALGORITHM: rollouts as training tensors, the update; the teacher checked, the held-out reverse KL ---
-
-
 def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, device: str):
-    """Yields (rows, their (b, t) tensors): these rows of (B, T) tensors in microbatches of `size`, sorted by length so
-    each pads little, each cut to its longest sequence (the padding is on the right) and moved to `device`."""
+    """Yields (rows, their tensors on `device`) in microbatches of `size`, by length: each cut to its longest row."""
     rows = sorted(rows, key=lambda i: lengths[i])
     for chunk in (rows[i : i + size] for i in range(0, len(rows), size)):
         width = max(lengths[i] for i in chunk)
@@ -184,8 +172,7 @@ def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, 
 
 def frozen_log_probs(model, batch: dict, lengths: list[int], rows: list[int], microbatch_size: int,
                      temperature: float) -> torch.Tensor:  # fmt: skip
-    """log p of every label of these rows of a padded batch (n, T) under a frozen `model` (old policy, reference,
-    teacher); the other rows' stay 0."""
+    """log p of each label in these rows of a padded batch (n, T) under a frozen model; the other rows' stay 0."""
     device = next(model.parameters()).device
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     log_probs = torch.zeros(batch["labels"].shape, device=device)  # (n, T)
@@ -198,26 +185,20 @@ def frozen_log_probs(model, batch: dict, lengths: list[int], rows: list[int], mi
 
 def update_student(policy, teacher, optimizer, scheduler, batch: dict, lengths: list[int], args: Args, step: int,
                   autocast) -> dict:  # fmt: skip
-    """One optimizer step on a rollout batch (input_ids, labels, response_mask (n, T); reward_advantages (n,)), the
-    gradient accumulated over microbatches (each rank's rows, summed); a non-finite update is skipped. Returns the
-    update's metrics."""
-    device = next(policy.parameters()).device
-    tensors = {k: batch[k] for k in ("input_ids", "labels", "response_mask")}
-    reward_advantages = batch["reward_advantages"].to(device)
-    mine = sorted(range(len(lengths)), key=lambda i: lengths[i])[RANK::WORLD_SIZE]  # balanced by length
-    # The teacher's grade of every sampled token of this rank's, once, before the update.  (n, T)
-    teacher_log_probs = frozen_log_probs(teacher, tensors, lengths, mine, args.microbatch_size, args.temperature)
-    n_tokens = int(tensors["response_mask"].sum())  # of every rank
-    sums = torch.zeros(3, device=device)  # loss, reverse KL and entropy summed over the response tokens
-    for rows, micro in microbatches(tensors, mine, lengths, args.microbatch_size, str(device)):
+    """One optimizer step on a rollout batch (input_ids, labels, response_mask (n, T); reward_advantages (n,)): each
+    rank its rows, the gradients summed over ranks; a non-finite update is skipped. Returns the update's metrics."""
+    reward_advantages = batch.pop("reward_advantages").to(policy.device)  # (n,); the rest of the batch is (n, T)
+    mine = sorted(range(len(lengths)), key=lambda i: lengths[i])[RANK::WORLD_SIZE]  # this rank's rows, by length
+    # The teacher's grade log q of this rank's sampled tokens, once, before the update.  (n, T); 0 in the other rows
+    batch["graded"] = frozen_log_probs(teacher, batch, lengths, mine, args.microbatch_size, args.temperature)
+    n_tokens, sums = int(batch["response_mask"].sum()), torch.zeros(3, device=policy.device)  # all ranks' tokens
+    for rows, micro in microbatches(batch, mine, lengths, args.microbatch_size, str(policy.device)):
         with autocast:
             out = get_response_log_probs(policy, micro["input_ids"], micro["labels"], True, args.temperature)
-        loss, reverse_kl = distill_microbatch_train_step(
-            out["log_probs"], teacher_log_probs[rows, : micro["labels"].shape[1]], micro["response_mask"], n_tokens,
-            reward_advantages[rows], args.reward_weight,
-        )  # fmt: skip
         mask = micro["response_mask"]  # on the device: no host sync per microbatch
-        sums += torch.stack([loss, (reverse_kl * mask).sum(), (out["token_entropy"] * mask).sum()])
+        loss, reverse_kl = distill_microbatch_train_step(out["log_probs"], micro["graded"], mask, n_tokens,
+                                                         reward_advantages[rows], args.reward_weight)  # fmt: skip
+        sums += torch.stack([loss, (reverse_kl * mask).sum(), (out["token_entropy"] * mask).sum()])  # over tokens
     sum_over_ranks(policy, sums)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
     loss, reverse_kl, entropy, grad_norm = torch.cat([sums, grad_norm.reshape(1)]).tolist()  # the update's one sync
@@ -241,13 +222,13 @@ def check_student_and_teacher(args: Args) -> None:
         raise ValueError(f"--teacher {args.teacher}: no model folder there (no config.json)")
     student, teacher = AutoTokenizer.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.teacher)
     if student.get_vocab() != teacher.get_vocab():
-        raise ValueError(f"--teacher {args.teacher} has another vocabulary ({len(teacher)} tokens) than the student "
-                         f"{args.model} ({len(student)}): a grade per token needs the same tokens")  # fmt: skip
+        raise ValueError(f"--teacher {args.teacher} has another vocabulary ({len(teacher)} tokens) than {args.model} "
+                         f"({len(student)}): a grade per token needs the same tokens")  # fmt: skip
 
 
 def held_out_reverse_kl(llm: LLM, policy, teacher, task: data.Task, args: Args, vllm_device: str) -> dict:
-    """Reverse KL(student || teacher) per token on the eval prompts: a response each, sampled as in training (an
-    unbiased estimate; greedy is not), graded by both; the same seed each time: a change is the student's."""
+    """Reverse KL(student || teacher) per token on the eval prompts, a response each sampled as in training (unbiased;
+    greedy is not) with the same seed each time: a change is the student's. Whole on every rank: the same number."""
     examples = [ex for name in task.names for ex in task.evals[name]]
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.eval_max_tokens, stop=task.stop(ex),
                              include_stop_str_in_output=True, seed=args.seed) for ex in examples]  # fmt: skip
@@ -255,14 +236,13 @@ def held_out_reverse_kl(llm: LLM, policy, teacher, task: data.Task, args: Args, 
         outputs = llm.generate([task.prompt(ex) for ex in examples], params, use_tqdm=False)
     batch = collate_token_ids([o.prompt_token_ids for o in outputs], [o.outputs[0].token_ids for o in outputs], 0)
     lengths = [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outputs]
-    student, graded = (frozen_log_probs(m, batch, lengths, list(range(len(lengths))), args.microbatch_size,
-                                       args.temperature).cpu()
-                       for m in (policy, teacher))  # fmt: skip
-    mask = batch["response_mask"]
-    return {"eval/reverse_kl": masked_normalize(student - graded, mask, max(mask.sum().item(), 1)).item()}
+    log_p, log_q = (frozen_log_probs(m, batch, lengths, [*range(len(lengths))], args.microbatch_size, args.temperature)
+                    for m in (policy, teacher))  # fmt: skip
+    mask = batch["response_mask"].to(log_p.device)
+    return {"eval/reverse_kl": masked_normalize(log_p - log_q, mask, max(mask.sum().item(), 1)).item()}
 
 
-# --- PLUMBING: the vLLM engine and its weight reloads (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def engine_device(device: str):
@@ -280,14 +260,9 @@ def init_vllm(model: str, device: str, seed: int, gpu_memory_utilization: float,
         # float32: log-probs match the trainer's; eager: no ~40 s compile; a 1 GiB KV cache, not half the RAM. No
         # chunked prefill: vLLM then rewinds seeded generators, which fails on CPU ("CPU Generator does not use offset")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        llm = LLM(**common, dtype="float32", enforce_eager=True, enable_chunked_prefill=False)
-    else:  # device_ids places the engine; gpu_memory_utilization is a fraction of that whole GPU
-        gpu = torch.device(device).index or 0
-        llm = LLM(**common, dtype="bfloat16", device_ids=[gpu], gpu_memory_utilization=gpu_memory_utilization)
-    cache = llm.llm_engine.vllm_config.cache_config  # more sequences than fit are preempted and recomputed: slow
-    n_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
-    print(f"vLLM on {device}: KV cache of {n_tokens} tokens, {n_tokens // max_model_len} sequences of {max_model_len}")
-    return llm
+        return LLM(**common, dtype="float32", enforce_eager=True, enable_chunked_prefill=False)
+    gpu = torch.device(device).index or 0  # device_ids places the engine; the memory share is of that whole GPU
+    return LLM(**common, dtype="bfloat16", device_ids=[gpu], gpu_memory_utilization=gpu_memory_utilization)
 
 
 def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
@@ -327,7 +302,7 @@ def probe_gap(policy, llm: LLM, probe_prompts: list[list[int]], device: str, n_t
     |log-prob gap| (a near-tie in bf16 must not stop a run). Generated: prompt log-probs skip the prefix cache."""
     params = SamplingParams(temperature=0.0, max_tokens=n_tokens, logprobs=0, ignore_eos=True)
     with engine_device(device):
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe_prompts], params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in probe_prompts], params, use_tqdm=False)
     gaps = []
     for prompt, output in zip(probe_prompts, outputs, strict=True):
         ids, logprobs = list(output.outputs[0].token_ids), output.outputs[0].logprobs
@@ -352,49 +327,44 @@ def reload_and_check(policy, llm: LLM, probe_prompts: list[list[int]], device: s
     return gap
 
 
-# --- PLUMBING: evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-
-def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, devices: tuple[str, str], run_dir: Path, step: int):
-    """Greedy responses to each dataset's eval examples, scored: metrics per dataset and in all; a few responses go to
-    generations.jsonl (log_generations). devices: (trainer's, engine's)."""
+def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, vllm_device: str, run_dir: Path, step: int):
+    """Greedy responses to every eval example, scored: metrics per dataset and in all; a few to generations.jsonl."""
     t0, examples = time.time(), my_share([ex for name in task.names for ex in task.evals[name]])  # gathered below
     prompts = [task.prompt(ex) for ex in examples]  # stop strings stay in the output: the verifier reads them
     params = [SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens, stop=task.stop(ex),
                              include_stop_str_in_output=True) for ex in examples]  # fmt: skip
-    with engine_device(devices[1]):
+    with engine_device(vllm_device):
         completions = [output.outputs[0] for output in llm.generate(prompts, params, use_tqdm=True)]
     rewards = verifiers.score_batch([c.text for c in completions], examples)  # code: programs run in a pool
     records = [{"dataset": ex["dataset"], "id": ex["id"], "prompt": prompt, "response": c.text, "answer": ex["answer"],
                 "reward": reward, "n_tokens": len(c.token_ids), "truncated": c.finish_reason == "length"}
                for ex, prompt, c, reward in zip(examples, prompts, completions, rewards, strict=True)]  # fmt: skip
     records = gather(records)
-    sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations], devices[0])
+    sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations])
     append_jsonl(run_dir / "generations.jsonl", [{"step": step, **sample} for sample in samples])
     metrics = data.eval_metrics(records)
     print(f"step {step:5d} | eval accuracy {metrics['eval/accuracy']:.3f} format {metrics['eval/format_rate']:.3f}")
     return {**metrics, **sample_metrics, "time/eval": time.time() - t0}
 
 
-def log_generations(policy, tokenizer, records: list[dict], policy_device: str) -> tuple[dict, list[dict]]:
-    """The trainer's mean token entropy over each record's response, and lengths: (metrics, records with
-    "mean_token_entropy"). None, not NaN, where there is nothing: strict JSON."""
-    out, mean = [], lambda xs: float(np.mean(xs)) if xs else None
+def log_generations(policy, tokenizer, records: list[dict]) -> tuple[dict, list[dict]]:
+    """The trainer's mean token entropy over each record's response: (metrics, records with "mean_token_entropy").
+    None, not NaN, without records: strict JSON. (data.eval_metrics has the lengths, over all the records.)"""
+    out = []
     for record in records:
         batch = tokenize_prompt_and_output([record["prompt"]], [record["response"]], tokenizer)
-        batch = {k: v.to(policy_device) for k, v in batch.items()}
+        batch = {k: v.to(policy.device) for k, v in batch.items()}
         with torch.no_grad():
             entropy = get_response_log_probs(policy, batch["input_ids"], batch["labels"], True)["token_entropy"]
         n_tokens = max(batch["response_mask"].sum().item(), 1)
         out.append({**record, "mean_token_entropy": masked_normalize(entropy, batch["response_mask"], n_tokens).item()})
-    lengths = lambda correct: mean([r["n_tokens"] for r in out if (r["reward"]["reward"] == 1) == correct])
-    return {"eval/sample_token_entropy": mean([r["mean_token_entropy"] for r in out]),
-            "eval/sample_length": mean([r["n_tokens"] for r in out]), "eval/sample_length_correct": lengths(True),
-            "eval/sample_length_incorrect": lengths(False)}, out  # fmt: skip
+    return {"eval/sample_token_entropy": float(np.mean([r["mean_token_entropy"] for r in out])) if out else None}, out
 
 
-# --- PLUMBING: run folder, devices, policy, checkpoints, logs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: run folder, devices, checkpoints, logs, ranks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
+RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
+RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others (docs/distributed.md)
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {"resume", "output_dir", "track", "wandb_project", "policy_device", "vllm_device",
                      "vllm_gpu_memory_utilization", "gradient_checkpointing", "keep_checkpoints",
@@ -439,8 +409,7 @@ def resolve_devices(args) -> tuple[str, str, float, float]:
 
 
 def load_policy(model_path: str, device: str, gradient_checkpointing: bool, seed: int):
-    """Seed torch, make the trainer's GPU current (the engine made its own current), load the model in float32, train
-    mode. Returns it and its context: bf16 autocast on a GPU."""
+    """Seed, make the trainer's GPU current (the engine set its own), load in float32, train mode: (model, autocast)."""
     torch.manual_seed(seed)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -470,9 +439,6 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    if len(checkpoints(run_dir)) == 1:
-        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e9
-        print(f"checkpoint {final}: {size:.3g} GB; the newest {keep or 'all'} are kept (--keep-checkpoints)")
     for old in checkpoints(run_dir)[:-keep] if keep else []:
         shutil.rmtree(old)
 
@@ -500,30 +466,19 @@ def append_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def make_logger(run_dir: Path, args):
-    """log(metrics, step) appends a line to metrics.jsonl (NaN as null: strict JSON) and, with --track, to W&B. Rank 0
-    logs what every rank computed."""
-    if RANK:
-        return lambda metrics, step: None
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
-    if args.track:
+    """log(metrics, step) appends to metrics.jsonl (NaN as null: strict JSON) and W&B (--track): rank 0, for all."""
+    if args.track and RANK == 0:
         import wandb
 
         wandb.init(project=args.wandb_project, name=run_dir.name, config=asdict(args), resume="allow")
 
     def log(metrics: dict, step: int) -> None:
         metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-        metrics_file.write(json.dumps({"step": step, **metrics}, allow_nan=False) + "\n")
-        metrics_file.flush()
-        if args.track:
+        append_jsonl(run_dir / "metrics.jsonl", [{"step": step, **metrics}])
+        if args.track and RANK == 0:
             wandb.log(metrics, step=step)
 
     return log
-
-
-# --- PLUMBING: data parallel under torchrun (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
-RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others (docs/distributed.md)
 
 
 def init_distributed(timeout_s: float) -> None:
@@ -573,14 +528,11 @@ def main(args: Args) -> Path:
     model_path = str(checkpoints(run_dir)[-1]) if checkpoints(run_dir) else args.model
     print(f"run folder {run_dir}; trainer on {policy_device}, vLLM on {vllm_device}; starting from {model_path}")
     task.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
-    all_examples = task.train + [ex for examples in task.evals.values() for ex in examples]
-    longest_prompt = max(len(ids) for ids in tokenizer([task.prompt(ex) for ex in all_examples])["input_ids"])
     # The engine's context must hold a prompt and its response, and the 400-token reload probes plus 16 tokens.
-    max_model_len = max(longest_prompt, 400) + max(args.max_tokens, args.eval_max_tokens, 16)
+    max_model_len = max(task.longest_prompt(), 400) + max(args.max_tokens, args.eval_max_tokens, 16)
     llm = init_vllm(model_path, vllm_device, args.seed, memory_fraction, max_model_len)
     policy, autocast = load_policy(model_path, policy_device, args.gradient_checkpointing, args.seed)
-    # The teacher beside the student, frozen, bf16 on a GPU (as grpo.py's reference): a grade is one forward pass over
-    # tokens the trainer holds; a second engine would take its own GPU memory to return the same prompt log-probs.
+    # The teacher beside the student, frozen, bf16 on a GPU: a grade is one forward pass (a second engine: more memory)
     dtype = torch.bfloat16 if policy_device.startswith("cuda") else torch.float32
     teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=dtype).to(policy_device).requires_grad_(False)
     sampling = dict(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens,
@@ -593,58 +545,49 @@ def main(args: Args) -> Path:
     start_step = resume_from(run_dir, optimizer, scheduler)
     log = make_logger(run_dir, args)
     gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)  # the engine follows from step 0 on
-    devices = (policy_device, vllm_device)
     if start_step == 0:
-        log({**evaluate(llm, policy, tokenizer, task, args, devices, run_dir, 0), "reload/logprob_gap": gap,
+        log({**evaluate(llm, policy, tokenizer, task, args, vllm_device, run_dir, 0), "reload/logprob_gap": gap,
              **held_out_reverse_kl(llm, policy, teacher, task, args, vllm_device)}, 0)  # fmt: skip
 
     # --- ALGORITHM: the distillation loop ---
     for step in range(start_step, args.n_distill_steps):
-        t_step = time.time()
-        # --- 1. Generate: group_size responses to each of the step's questions ---
+        ends = {"start": time.time()}  # when each phase ended: time/<phase> is the time from the previous end
+        # --- 1. Generate and score (the reward: logged; in the advantage with --reward-weight); each rank its share ---
         examples, seeds = task.questions(n_prompts, args.group_size, args.seed, step)
-        prompts = [task.prompt(ex) for ex in examples]
         params = [SamplingParams(**sampling, stop=task.stop(ex), seed=s) for ex, s in zip(examples, seeds, strict=True)]
-        with engine_device(vllm_device):  # each rank its share of the questions; all are gathered in 2.
-            outputs = llm.generate(my_share(prompts), my_share(params), use_tqdm=False)
-        t_generate = time.time() - t_step
-
-        # --- 2. Score: the verifier's reward (logged; in the advantage with --reward-weight) ---
-        t0 = time.time()
-        truths = [ex for ex in my_share(examples) for _ in range(args.group_size)]  # flattened as the responses
+        with engine_device(vllm_device):
+            outputs = llm.generate(my_share([task.prompt(ex) for ex in examples]), my_share(params), use_tqdm=False)
+        ends["generate"], truths = time.time(), [ex for ex in my_share(examples) for _ in range(args.group_size)]
         scores = gather(verifiers.score_batch([c.text for output in outputs for c in output.outputs], truths))
         outputs = gather(outputs)
         # Flattened, group by group: responses j * G ... j * G + G - 1 answer question j.  (B,) lists, B = n_prompts G
         completions = [c for output in outputs for c in output.outputs]
         prompt_ids = [list(output.prompt_token_ids) for output in outputs for _ in output.outputs]
         raw_rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)  # (B,)
-        t_score = time.time() - t0
+        ends["score"] = time.time()
 
-        # --- 3. Update: the teacher grades every sampled token, then one optimizer step toward it ---
-        t0 = time.time()
+        # --- 2. Update: the teacher grades every sampled token, then one optimizer step toward it ---
         batch = collate_token_ids(prompt_ids, [c.token_ids for c in completions], 0)  # the pad is masked out
         batch["reward_advantages"] = group_normalized_rewards(raw_rewards, args.group_size)  # (B,)
         lengths = [len(p) + len(c.token_ids) - 1 for p, c in zip(prompt_ids, completions, strict=True)]  # unpadded
         metrics = update_student(policy, teacher, optimizer, scheduler, batch, lengths, args, step, autocast)
-        t_train = time.time() - t0
+        ends["train"] = time.time()
 
-        # --- 4. Reload the new weights into the engine, and prove it follows them (unless nothing changed) ---
-        t0 = time.time()
-        gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)  # also after a skipped update
-        t_reload = time.time() - t0
+        # --- 3. Reload the new weights into the engine, and prove it follows them (also after a skipped update) ---
+        metrics["reload/logprob_gap"] = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)
+        ends["reload"] = time.time()
 
-        # --- 5. Log, evaluate, save ---
+        # --- 4. Log, evaluate, save ---
         step_done = step + 1
         metrics.update({"rollout/reward_mean": raw_rewards.mean().item(), "train/lr": scheduler.get_last_lr()[0],
                         "rollout/response_length": float(np.mean([len(c.token_ids) for c in completions])),
                         "rollout/truncation_rate": float(np.mean([c.finish_reason == "length" for c in completions])),
-                        "reload/logprob_gap": gap, "time/generate": t_generate, "time/score": t_score,
-                        "time/train": t_train, "time/reload": t_reload})  # fmt: skip
+                        **{f"time/{phase}": ends[phase] - ends[prev] for prev, phase in pairwise(ends)}})  # fmt: skip
         metrics.update(task.rollout_metrics(examples, raw_rewards.view(-1, args.group_size).tolist()))
         if step_done % args.eval_every == 0 or step_done == args.n_distill_steps:
-            metrics.update(evaluate(llm, policy, tokenizer, task, args, devices, run_dir, step_done))
+            metrics.update(evaluate(llm, policy, tokenizer, task, args, vllm_device, run_dir, step_done))
             metrics.update(held_out_reverse_kl(llm, policy, teacher, task, args, vllm_device))
-        metrics["time/step"] = time.time() - t_step
+        metrics["time/step"] = time.time() - ends["start"]
         log(metrics, step_done)
         print(f"step {step_done:5d}/{args.n_distill_steps} | reverse KL {metrics['rollout/reverse_kl']:.4f} | "
               f"reward {metrics['rollout/reward_mean']:.3f} | {metrics['time/step']:.1f} s")  # fmt: skip

@@ -1,11 +1,11 @@
 """Expert iteration: sample answers from the policy, keep those the verifier accepts, fine-tune on them, repeat.
 
 Each expert-iteration (EI) step draws `n_questions` training questions, samples `group_size` responses to each from a
-vLLM engine holding the trainer's current weights, scores them with verifiers.score, keeps the correct ones (each
-distinct response once per question), and runs `n_sft_epochs` passes of SFT over them: sft.py's loss. The policy is
-its own "expert", the verifier the filter: rejection sampling plus maximum likelihood, no advantage, no ratio, no KL.
-Known as STaR, rejection-sampling fine-tuning and ReST-EM (docs/background.md); this follows CS336 assignment 5's
-version: start from an SFT checkpoint, study questions per step, group size and SFT epochs per step.
+vLLM engine holding the trainer's current weights, keeps those verifiers.score accepts (each distinct response once
+per question), and runs `n_sft_epochs` passes of SFT over them: sft.py's loss. The policy is its own "expert", the
+verifier the filter: rejection sampling plus maximum likelihood, no advantage, no ratio, no KL. Known as STaR,
+rejection-sampling fine-tuning and ReST-EM (docs/background.md); this follows CS336 assignment 5's version, from an
+SFT checkpoint. Writes kept.jsonl (every response trained on: an sft.py --sft-file) beside metrics.jsonl.
 
 Deliberate simplifications: (1) each step fine-tunes the current policy on this step's kept responses only, as CS336
 does (STaR and ReST-EM restart from the base model and train on everything gathered so far: a fork of phase 4); (2)
@@ -15,8 +15,6 @@ warmup: the optimizer steps per EI step depend on how many responses pass, so a 
 every kept response is trained on in every epoch: an epoch's last batch is usually short (unlike sft.py's); (5) a
 response is trained on as text, the engine's plus EOS, re-tokenized as sft.py does; (6) more GPUs means data parallel,
 as in sft.py (torchrun: each rank a whole model, an engine, a share of the questions and of each batch).
-
-Writes kept.jsonl (every response trained on: an sft.py --sft-file) and generations.jsonl beside metrics.jsonl.
 
 Usage:
     python expert_iter.py --model runs/sft__1__1763700000/checkpoints/step_000200    # GSM8K, r1_zero, 2 GPUs
@@ -47,7 +45,6 @@ import torch.distributed as dist
 import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_constant_schedule_with_warmup
 from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
 
 import data
 import verifiers
@@ -64,8 +61,8 @@ class Args:
     wandb_project: str = "rlvr-expert-iter"  # the W&B project, with --track
     # --- model ---
     model: str = "Qwen/Qwen3-1.7B-Base"  # Hugging Face name or folder (an sft.py checkpoint)
-    policy_device: str | None = None  # device of the trainer; None: cuda:0 if there is a GPU, else cpu
-    vllm_device: str | None = None  # device of the vLLM engine; None: cuda:1 with two GPUs, else the policy's device
+    policy_device: str | None = None  # device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)
+    vllm_device: str | None = None  # device of the vLLM engine; None: this rank's second GPU, else the trainer's
     vllm_gpu_memory_utilization: float | None = None  # the engine's share of its GPU; None: 0.85 alone, 0.3 shared
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, about 30% more time
     # --- data ---
@@ -138,21 +135,18 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
     """log p(labels[t] | input_ids[:t+1]): (B, T) -> {"log_probs": (B, T)}, and "token_entropy" (B, T). The logits
     are divided by `temperature` as the engine's are when it samples (grpo.py needs it; SFT uses 1)."""
     logits = model(input_ids).logits.float()  # (B, T, V); float32 even under bf16 autocast
-    if temperature != 1.0:  # not at T = 1: another (B, T, V) float32 copy, for nothing
-        logits = logits / temperature
+    logits = logits / temperature if temperature != 1.0 else logits  # at T = 1, no second (B, T, V) copy
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    out = {"log_probs": log_probs}
-    if return_token_entropy:
-        with torch.no_grad():
-            out["token_entropy"] = compute_entropy(logits)
-    return out
+    if not return_token_entropy:
+        return {"log_probs": log_probs}
+    with torch.no_grad():
+        return {"log_probs": log_probs, "token_entropy": compute_entropy(logits)}
 
 
 def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, normalize_constant: float,
                      dim: int | None = None) -> torch.Tensor:  # fmt: skip
     """Sum of `tensor` where mask is 1, over `dim` (all dims if None), divided by normalize_constant."""
-    masked = tensor * mask
-    return (masked.sum() if dim is None else masked.sum(dim=dim)) / normalize_constant
+    return (tensor * mask).sum(dim=dim) / normalize_constant
 
 
 # --- ALGORITHM: the SFT loss (same in sft.py and expert_iter.py) ---
@@ -203,15 +197,12 @@ def select_correct(examples: list[dict], prompts: list[str], responses: list[lis
     answers the same way would weigh G times as much as a hard one solved once, pushing toward what it already does."""
     kept = []
     for example, prompt, group, group_rewards in zip(examples, prompts, responses, rewards, strict=True):
-        seen = set()
-        for response, reward in zip(group, group_rewards, strict=True):
-            if reward == 1.0 and response not in seen:
-                seen.add(response)
-                kept.append({"prompt": prompt, "response": response, "example": example})
+        correct = [response for response, reward in zip(group, group_rewards, strict=True) if reward == 1.0]
+        kept += [{"prompt": prompt, "response": response, "example": example} for response in dict.fromkeys(correct)]
     return kept
 
 
-# --- PLUMBING: the vLLM engine and its weight reloads (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def engine_device(device: str):
@@ -229,14 +220,9 @@ def init_vllm(model: str, device: str, seed: int, gpu_memory_utilization: float,
         # float32: log-probs match the trainer's; eager: no ~40 s compile; a 1 GiB KV cache, not half the RAM. No
         # chunked prefill: vLLM then rewinds seeded generators, which fails on CPU ("CPU Generator does not use offset")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        llm = LLM(**common, dtype="float32", enforce_eager=True, enable_chunked_prefill=False)
-    else:  # device_ids places the engine; gpu_memory_utilization is a fraction of that whole GPU
-        gpu = torch.device(device).index or 0
-        llm = LLM(**common, dtype="bfloat16", device_ids=[gpu], gpu_memory_utilization=gpu_memory_utilization)
-    cache = llm.llm_engine.vllm_config.cache_config  # more sequences than fit are preempted and recomputed: slow
-    n_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
-    print(f"vLLM on {device}: KV cache of {n_tokens} tokens, {n_tokens // max_model_len} sequences of {max_model_len}")
-    return llm
+        return LLM(**common, dtype="float32", enforce_eager=True, enable_chunked_prefill=False)
+    gpu = torch.device(device).index or 0  # device_ids places the engine; the memory share is of that whole GPU
+    return LLM(**common, dtype="bfloat16", device_ids=[gpu], gpu_memory_utilization=gpu_memory_utilization)
 
 
 def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
@@ -276,7 +262,7 @@ def probe_gap(policy, llm: LLM, probe_prompts: list[list[int]], device: str, n_t
     |log-prob gap| (a near-tie in bf16 must not stop a run). Generated: prompt log-probs skip the prefix cache."""
     params = SamplingParams(temperature=0.0, max_tokens=n_tokens, logprobs=0, ignore_eos=True)
     with engine_device(device):
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe_prompts], params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in probe_prompts], params, use_tqdm=False)
     gaps = []
     for prompt, output in zip(probe_prompts, outputs, strict=True):
         ids, logprobs = list(output.outputs[0].token_ids), output.outputs[0].logprobs
@@ -301,49 +287,44 @@ def reload_and_check(policy, llm: LLM, probe_prompts: list[list[int]], device: s
     return gap
 
 
-# --- PLUMBING: evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-
-def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, devices: tuple[str, str], run_dir: Path, step: int):
-    """Greedy responses to each dataset's eval examples, scored: metrics per dataset and in all; a few responses go to
-    generations.jsonl (log_generations). devices: (trainer's, engine's)."""
+def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, vllm_device: str, run_dir: Path, step: int):
+    """Greedy responses to every eval example, scored: metrics per dataset and in all; a few to generations.jsonl."""
     t0, examples = time.time(), my_share([ex for name in task.names for ex in task.evals[name]])  # gathered below
     prompts = [task.prompt(ex) for ex in examples]  # stop strings stay in the output: the verifier reads them
     params = [SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens, stop=task.stop(ex),
                              include_stop_str_in_output=True) for ex in examples]  # fmt: skip
-    with engine_device(devices[1]):
+    with engine_device(vllm_device):
         completions = [output.outputs[0] for output in llm.generate(prompts, params, use_tqdm=True)]
     rewards = verifiers.score_batch([c.text for c in completions], examples)  # code: programs run in a pool
     records = [{"dataset": ex["dataset"], "id": ex["id"], "prompt": prompt, "response": c.text, "answer": ex["answer"],
                 "reward": reward, "n_tokens": len(c.token_ids), "truncated": c.finish_reason == "length"}
                for ex, prompt, c, reward in zip(examples, prompts, completions, rewards, strict=True)]  # fmt: skip
     records = gather(records)
-    sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations], devices[0])
+    sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations])
     append_jsonl(run_dir / "generations.jsonl", [{"step": step, **sample} for sample in samples])
     metrics = data.eval_metrics(records)
     print(f"step {step:5d} | eval accuracy {metrics['eval/accuracy']:.3f} format {metrics['eval/format_rate']:.3f}")
     return {**metrics, **sample_metrics, "time/eval": time.time() - t0}
 
 
-def log_generations(policy, tokenizer, records: list[dict], policy_device: str) -> tuple[dict, list[dict]]:
-    """The trainer's mean token entropy over each record's response, and lengths: (metrics, records with
-    "mean_token_entropy"). None, not NaN, where there is nothing: strict JSON."""
-    out, mean = [], lambda xs: float(np.mean(xs)) if xs else None
+def log_generations(policy, tokenizer, records: list[dict]) -> tuple[dict, list[dict]]:
+    """The trainer's mean token entropy over each record's response: (metrics, records with "mean_token_entropy").
+    None, not NaN, without records: strict JSON. (data.eval_metrics has the lengths, over all the records.)"""
+    out = []
     for record in records:
         batch = tokenize_prompt_and_output([record["prompt"]], [record["response"]], tokenizer)
-        batch = {k: v.to(policy_device) for k, v in batch.items()}
+        batch = {k: v.to(policy.device) for k, v in batch.items()}
         with torch.no_grad():
             entropy = get_response_log_probs(policy, batch["input_ids"], batch["labels"], True)["token_entropy"]
         n_tokens = max(batch["response_mask"].sum().item(), 1)
         out.append({**record, "mean_token_entropy": masked_normalize(entropy, batch["response_mask"], n_tokens).item()})
-    lengths = lambda correct: mean([r["n_tokens"] for r in out if (r["reward"]["reward"] == 1) == correct])
-    return {"eval/sample_token_entropy": mean([r["mean_token_entropy"] for r in out]),
-            "eval/sample_length": mean([r["n_tokens"] for r in out]), "eval/sample_length_correct": lengths(True),
-            "eval/sample_length_incorrect": lengths(False)}, out  # fmt: skip
+    return {"eval/sample_token_entropy": float(np.mean([r["mean_token_entropy"] for r in out])) if out else None}, out
 
 
-# --- PLUMBING: run folder, devices, policy, checkpoints, logs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: run folder, devices, checkpoints, logs, ranks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
+RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
+RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others (docs/distributed.md)
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {"resume", "output_dir", "track", "wandb_project", "policy_device", "vllm_device",
                      "vllm_gpu_memory_utilization", "gradient_checkpointing", "keep_checkpoints",
@@ -388,8 +369,7 @@ def resolve_devices(args) -> tuple[str, str, float, float]:
 
 
 def load_policy(model_path: str, device: str, gradient_checkpointing: bool, seed: int):
-    """Seed torch, make the trainer's GPU current (the engine made its own current), load the model in float32, train
-    mode. Returns it and its context: bf16 autocast on a GPU."""
+    """Seed, make the trainer's GPU current (the engine set its own), load in float32, train mode: (model, autocast)."""
     torch.manual_seed(seed)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -419,9 +399,6 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    if len(checkpoints(run_dir)) == 1:
-        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e9
-        print(f"checkpoint {final}: {size:.3g} GB; the newest {keep or 'all'} are kept (--keep-checkpoints)")
     for old in checkpoints(run_dir)[:-keep] if keep else []:
         shutil.rmtree(old)
 
@@ -449,30 +426,19 @@ def append_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def make_logger(run_dir: Path, args):
-    """log(metrics, step) appends a line to metrics.jsonl (NaN as null: strict JSON) and, with --track, to W&B. Rank 0
-    logs what every rank computed."""
-    if RANK:
-        return lambda metrics, step: None
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
-    if args.track:
+    """log(metrics, step) appends to metrics.jsonl (NaN as null: strict JSON) and W&B (--track): rank 0, for all."""
+    if args.track and RANK == 0:
         import wandb
 
         wandb.init(project=args.wandb_project, name=run_dir.name, config=asdict(args), resume="allow")
 
     def log(metrics: dict, step: int) -> None:
         metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-        metrics_file.write(json.dumps({"step": step, **metrics}, allow_nan=False) + "\n")
-        metrics_file.flush()
-        if args.track:
+        append_jsonl(run_dir / "metrics.jsonl", [{"step": step, **metrics}])
+        if args.track and RANK == 0:
             wandb.log(metrics, step=step)
 
     return log
-
-
-# --- PLUMBING: data parallel under torchrun (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
-RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others (docs/distributed.md)
 
 
 def init_distributed(timeout_s: float) -> None:
@@ -527,18 +493,15 @@ def main(args: Args) -> Path:
     task.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
     policy, autocast = load_policy(model_path, policy_device, args.gradient_checkpointing, args.seed)
 
-    # --- Optimizer, resume, sampling ---
+    # --- Optimizer, resume ---
     probe_prompts = make_probe_prompts(tokenizer, [task.prompt(ex) + task.response(ex) for ex in task.train[:8]])
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps)
     start_step = resume_from(run_dir, optimizer, scheduler, "kept.jsonl")
     log = make_logger(run_dir, args)
     gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)  # the engine follows from step 0 on
-    devices = (policy_device, vllm_device)
     if start_step == 0:
-        log({**evaluate(llm, policy, tokenizer, task, args, devices, run_dir, 0), "reload/eval_logprob_gap": gap}, 0)
-    sampling = dict(n=args.group_size, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                    include_stop_str_in_output=True)  # fmt: skip
+        log(evaluate(llm, policy, tokenizer, task, args, vllm_device, run_dir, 0) | {"reload/eval_logprob_gap": gap}, 0)
 
     # --- ALGORITHM: the EI loop, one step = reload, sample, filter, fine-tune, (evaluate), save ---
     for step in range(start_step, args.n_ei_steps):
@@ -550,26 +513,23 @@ def main(args: Args) -> Path:
         # 2. Sample group_size responses to each of this step's questions.
         examples, seeds = task.questions(args.n_questions, args.group_size, args.seed, step)
         prompts = [task.prompt(ex) for ex in examples]
-        params = [SamplingParams(**sampling, stop=task.stop(ex), seed=seed)
+        params = [SamplingParams(n=args.group_size, temperature=args.temperature, top_p=args.top_p, seed=seed,
+                                 max_tokens=args.max_tokens, stop=task.stop(ex), include_stop_str_in_output=True)
                   for ex, seed in zip(examples, seeds, strict=True)]  # fmt: skip
         with engine_device(vllm_device):  # each rank its share of the questions; all are gathered below
             mine = [output.outputs for output in llm.generate(my_share(prompts), my_share(params), use_tqdm=True)]
         time_generate, t0 = time.time() - t0, time.time()
 
-        # 3. Score every response and keep the correct ones, each distinct response once per question.
-        # One batch through score_batch: code examples run their programs in a pool of processes, one per core.
+        # 3. Score every response in one batch (code runs in a pool of processes, one per core), keep the correct ones.
         texts = [c.text for group in mine for c in group]
         flat = iter(verifiers.score_batch(texts, [ex for ex in my_share(examples) for _ in range(args.group_size)]))
         scores = gather([[next(flat) for _ in group] for group in mine])  # (Q, G) reward dicts
         completions = gather(mine)  # Q lists of G, every rank all of them
-        responses = [[c.text for c in group] for group in completions]  # (Q, G)
         rewards = [[s["reward"] for s in group] for group in scores]  # (Q, G)
-        kept = select_correct(examples, prompts, responses, rewards)
-        rows = [{"step": step_done, **data.sft_row(p["prompt"], p["response"], p["example"])} for p in kept]
-        append_jsonl(run_dir / "kept.jsonl", rows)  # an sft.py --sft-file
-        # Lengths as generated (EOS excluded), looked up by question and text.
+        kept = select_correct(examples, prompts, [[c.text for c in group] for group in completions], rewards)
+        append_jsonl(run_dir / "kept.jsonl", [{"step": step_done, **data.sft_row(**p)} for p in kept])  # --sft-file
         n_tokens = {(examples[q]["id"], c.text): len(c.token_ids) for q, group in enumerate(completions) for c in group}
-        kept_lengths = [n_tokens[p["example"]["id"], p["response"]] for p in kept]
+        kept_lengths = [n_tokens[p["example"]["id"], p["response"]] for p in kept]  # as generated, EOS excluded
         samples = [c for group in completions for c in group]  # (Q G,)
         metrics = {"rollout/frac_solved": float(np.mean([max(group) == 1.0 for group in rewards])),
                    "rollout/accuracy": float(np.mean(rewards)), "rollout/n_correct": int(np.sum(rewards)),
@@ -577,14 +537,14 @@ def main(args: Args) -> Path:
                    "rollout/response_length": float(np.mean([len(c.token_ids) for c in samples])),
                    "rollout/truncation_rate": float(np.mean([c.finish_reason == "length" for c in samples])),
                    "rollout/n_kept": len(kept), "rollout/kept_length": float(np.mean(kept_lengths or np.nan)),
-                   "reload/logprob_gap": gap, "time/score": time.time() - t0,
-                   **task.rollout_metrics(examples, rewards)}  # fmt: skip
+                   "reload/logprob_gap": gap, "time/reload": time_reload, "time/generate": time_generate,
+                   "time/score": time.time() - t0, **task.rollout_metrics(examples, rewards)}  # fmt: skip
 
         # 4. Fine-tune on the kept responses: n_sft_epochs passes, a fresh order per (seed, step, epoch).
         t0 = time.time()
         pairs = [{**p, "response": p["response"] + tokenizer.eos_token} for p in kept]  # the model must learn to stop
         losses, grad_norms, entropy_sum, n_response_tokens = [], [], 0.0, 0
-        for epoch in range(args.n_sft_epochs if pairs else 0):
+        for epoch in range(args.n_sft_epochs):
             order = np.random.default_rng([args.seed, step, epoch]).permutation(len(pairs))
             for start in range(0, len(pairs), args.batch_size):
                 batch = [pairs[i] for i in order[start : start + args.batch_size]]
@@ -602,16 +562,13 @@ def main(args: Args) -> Path:
                     "train/entropy": entropy_sum / n_response_tokens if n_response_tokens else math.nan,
                     "train/grad_norm": float(np.mean(grad_norms or math.nan)), "train/lr": scheduler.get_last_lr()[0],
                     "train/n_updates": len(losses), "train/response_tokens": n_response_tokens,  # an epoch's, EOS too
-                    "time/reload": time_reload, "time/generate": time_generate,
                     "time/train": time.time() - t0}  # fmt: skip
 
         # 5. Evaluate (reloading first: the engine still holds the weights from before this step's updates), log, save.
         if step_done % args.eval_every == 0 or step_done == args.n_ei_steps:
-            eval_gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)
-            metrics.update({**evaluate(llm, policy, tokenizer, task, args, devices, run_dir, step_done),
-                            "reload/eval_logprob_gap": eval_gap})  # fmt: skip
-        metrics["time/step"] = time.time() - t_step
-        log(metrics, step_done)
+            metrics["reload/eval_logprob_gap"] = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)
+            metrics |= evaluate(llm, policy, tokenizer, task, args, vllm_device, run_dir, step_done)
+        log({**metrics, "time/step": time.time() - t_step}, step_done)
         print(f"ei step {step_done:3d}/{args.n_ei_steps} | solved {metrics['rollout/frac_solved']:.3f} | "
               f"kept {len(kept)} | loss {metrics['train/loss']:.4f} | entropy {metrics['train/entropy']:.3f} | "
               f"kept length {metrics['rollout/kept_length']:.0f} | reload gap {gap:.1e} | "

@@ -1,5 +1,4 @@
-"""Group Relative Policy Optimization (GRPO) with verifiable rewards; a vLLM engine samples, and reloads the trainer's
-weights after every step.
+"""Group Relative Policy Optimization (GRPO) with verifiable rewards: a vLLM engine samples, PyTorch trains.
 
 GRPO (Shao et al. 2024, "DeepSeekMath", arXiv:2402.03300) is PPO without a value function. Each step:
   1. sample `rollout_batch_size / group_size` questions and let the engine write `group_size` responses to each;
@@ -13,10 +12,9 @@ Beyond the textbook, each an Args field (docs/grpo_family.md): GSPO and CISPO lo
 clip-higher, a k3 KL, several updates per rollout batch, DAPO's overlong penalty and dynamic sampling, truncated
 importance sampling. train/loss sits near 0 while the model learns: watch rollout/reward_mean.
 
-Deliberate simplifications: (1) generation and training take turns; more GPUs run it data parallel (torchrun: a
-whole model per rank); (2) groups with no signal are dropped (unless --dynamic-sampling draws more); (3) the reward is
-the verifier's 0 or 1; (4) the KL is in the loss (k3), off by default as in TRL; (5) the engine/trainer mismatch is
-corrected per token (truncated at 2, verl's choice).
+Simplifications: (1) generation and training take turns; more GPUs: data parallel, a whole model per rank; (2) groups
+with no signal are dropped (--dynamic-sampling draws more); (3) the reward is the verifier's 0 or 1; (4) the KL is in
+the loss (k3), off by default as in TRL; (5) the engine/trainer mismatch is corrected per token, capped at 2 as in verl.
 
 Usage:
     python grpo.py --model Qwen/Qwen3-1.7B-Base                    # GSM8K, R1-Zero template, 200 steps, 2 GPUs
@@ -37,6 +35,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +44,6 @@ import torch.distributed as dist
 import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
 
 import data
 import verifiers
@@ -150,30 +148,26 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
     """log p(labels[t] | input_ids[:t+1]): (B, T) -> {"log_probs": (B, T)}, and "token_entropy" (B, T). The logits
     are divided by `temperature` as the engine's are when it samples (grpo.py needs it; SFT uses 1)."""
     logits = model(input_ids).logits.float()  # (B, T, V); float32 even under bf16 autocast
-    if temperature != 1.0:  # not at T = 1: another (B, T, V) float32 copy, for nothing
-        logits = logits / temperature
+    logits = logits / temperature if temperature != 1.0 else logits  # at T = 1, no second (B, T, V) copy
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    out = {"log_probs": log_probs}
-    if return_token_entropy:
-        with torch.no_grad():
-            out["token_entropy"] = compute_entropy(logits)
-    return out
+    if not return_token_entropy:
+        return {"log_probs": log_probs}
+    with torch.no_grad():
+        return {"log_probs": log_probs, "token_entropy": compute_entropy(logits)}
 
 
 def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, normalize_constant: float,
                      dim: int | None = None) -> torch.Tensor:  # fmt: skip
     """Sum of `tensor` where mask is 1, over `dim` (all dims if None), divided by normalize_constant."""
-    masked = tensor * mask
-    return (masked.sum() if dim is None else masked.sum(dim=dim)) / normalize_constant
+    return (tensor * mask).sum(dim=dim) / normalize_constant
 
 
-# --- ALGORITHM: GRPO advantages and losses (pure functions; tests/test_grpo.py checks them by hand) ---
+# --- ALGORITHM: GRPO advantages and losses (pure: tests/test_grpo.py checks them by hand), the update, bookkeeping ---
 
 
 def compute_group_normalized_rewards(
-    reward_fn: Callable[[str, dict], dict], rollout_responses: list[str], repeated_ground_truths: list,
-    group_size: int, advantage_eps: float, normalize_by_std: bool,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:  # fmt: skip
+    reward_fn: Callable[[str, dict], dict], rollout_responses: list[str], repeated_ground_truths: list, group_size: int,
+    advantage_eps: float, normalize_by_std: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:  # fmt: skip
     """Score each response and centre its reward on its group's: (advantages (B,), raw_rewards (B,), metadata).
     Responses i*G ... i*G + G - 1 form group i; reward_fn(response, ground_truth) returns a dict with "reward".
     A = r - mean(group), divided by std(group) + advantage_eps if normalize_by_std (torch's unbiased std, as CS336,
@@ -201,8 +195,7 @@ def compute_naive_policy_gradient_loss(raw_rewards_or_advantages: torch.Tensor,
 
 def compute_grpo_clip_loss(
     advantages: torch.Tensor, policy_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
-    cliprange: float | tuple[float, float],
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    cliprange: float | tuple[float, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
     """Per-token clipped surrogate -min(r A, clip(r, 1 - low, 1 + high) A), r = exp(log p - log p_old): advantages
     (B, 1) or (B,), log-probs (B, T), cliprange a float or (low, high) (DAPO's clip-higher: (0.2, 0.28)) -> loss (B, T)
     and (B, T) metadata: "clipped" where a bound is active (no gradient), "clipped_high" (A > 0), "clipped_low", r."""
@@ -221,6 +214,7 @@ LOSS_TYPES = {"no_baseline": ("raw_rewards",), "reinforce_with_baseline": ("adva
               "grpo_clip": ("advantages", "old_log_probs", "cliprange"),
               "gspo": ("advantages", "old_log_probs", "cliprange", "response_mask"),
               "cispo": ("advantages", "old_log_probs", "cliprange")}  # fmt: skip
+LOSS_AGGREGATIONS = ("sequence_mean", "token_mean", "constant")  # grpo_microbatch_train_step's loss_aggregation
 
 
 def compute_policy_gradient_loss(
@@ -266,9 +260,6 @@ def compute_k3_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -
     return torch.exp(log_ratio) - log_ratio - 1
 
 
-LOSS_AGGREGATIONS = ("sequence_mean", "token_mean", "constant")
-
-
 def grpo_microbatch_train_step(
     policy_log_probs: torch.Tensor, response_mask: torch.Tensor, gradient_accumulation_steps: int, loss_type: str,
     raw_rewards: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
@@ -288,9 +279,8 @@ def grpo_microbatch_train_step(
         constant       w_it = 1 / (N normalize_constant), e.g. --max-tokens (Dr. GRPO): the same whatever the lengths.
     So the microbatches' losses and gradients sum to the batch's, however it was split or padded. By default
     N = B * gradient_accumulation_steps, n_batch_tokens = this microbatch's tokens * gradient_accumulation_steps."""
-    per_token_loss, metadata = compute_policy_gradient_loss(
-        policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange, response_mask
-    )
+    per_token_loss, metadata = compute_policy_gradient_loss(policy_log_probs, loss_type, raw_rewards, advantages,
+                                                            old_log_probs, cliprange, response_mask)  # fmt: skip
     problems = [
         (engine_log_probs is not None and old_log_probs is None, "engine_log_probs needs old_log_probs (pre-update)"),
         (beta > 0 and ref_log_probs is None, "beta > 0 needs ref_log_probs"),
@@ -319,12 +309,9 @@ def grpo_microbatch_train_step(
 
 
 def groups_with_signal(raw_rewards: torch.Tensor, group_size: int, loss_type: str) -> torch.Tensor:
-    """(n_groups,) bool: the groups whose loss has a gradient: rewards not all equal (else A = 0); for no_baseline
-    (-r log p), any reward not 0."""
+    """(n_groups,) bool: groups whose loss has a gradient: rewards not all equal (A != 0); no_baseline: any r != 0."""
     rewards = raw_rewards.view(-1, group_size)  # (n_groups, G)
-    if loss_type == "no_baseline":
-        return (rewards != 0).any(dim=1)
-    return rewards.std(dim=1) > 0
+    return (rewards != 0).any(dim=1) if loss_type == "no_baseline" else rewards.std(dim=1) > 0
 
 
 def catch_up_scheduler(scheduler, n_steps_done: int, updates_per_step: int) -> None:
@@ -334,12 +321,8 @@ def catch_up_scheduler(scheduler, n_steps_done: int, updates_per_step: int) -> N
             scheduler.step()
 
 
-# --- ALGORITHM: rollouts as training tensors, the update; GRPO's bookkeeping (arguments, rollouts.jsonl, metrics) ---
-
-
 def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, device: str):
-    """Yields (rows, their (b, t) tensors): these rows of (B, T) tensors in microbatches of `size`, sorted by length so
-    each pads little, each cut to its longest sequence (the padding is on the right) and moved to `device`."""
+    """Yields (rows, their tensors on `device`) in microbatches of `size`, by length: each cut to its longest row."""
     rows = sorted(rows, key=lambda i: lengths[i])
     for chunk in (rows[i : i + size] for i in range(0, len(rows), size)):
         width = max(lengths[i] for i in chunk)
@@ -348,8 +331,7 @@ def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, 
 
 def frozen_log_probs(model, batch: dict, lengths: list[int], rows: list[int], microbatch_size: int,
                      temperature: float) -> torch.Tensor:  # fmt: skip
-    """log p of every label of these rows of a padded batch (n, T) under a frozen `model` (old policy, reference,
-    teacher); the other rows' stay 0."""
+    """log p of each label in these rows of a padded batch (n, T) under a frozen model; the other rows' stay 0."""
     device = next(model.parameters()).device
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     log_probs = torch.zeros(batch["labels"].shape, device=device)  # (n, T)
@@ -365,9 +347,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths:
     """Epochs over a rollout batch (input_ids, labels, response_mask, engine_log_probs (n, T); advantages, raw_rewards
     (n,)), an optimizer step per minibatch, gradients accumulated over microbatches (each rank's, summed). Returns the
     sums (per-token metadata summed over the response tokens) and the non-finite updates in a row: 3 stop the run."""
-    device = next(policy.parameters()).device
     tensors = {k: batch[k] for k in ("input_ids", "labels", "response_mask", "engine_log_probs")}
-    advantages, raw_rewards = batch["advantages"].to(device), batch["raw_rewards"].to(device)
+    advantages, raw_rewards = batch["advantages"].to(policy.device), batch["raw_rewards"].to(policy.device)
     n_minibatches = args.rollout_batch_size // args.train_batch_size
     sums = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "positions": sum(lengths) + len(lengths)}
     orders = [np.random.default_rng([args.seed, step, epoch]).permutation(len(lengths))  # every rank's
@@ -377,18 +358,16 @@ def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths:
     # Old and reference log-probs: once per rollout batch, before the first optimizer step.  (n, T) each
     my_rows = sorted({i for minibatch in plan for i in mine(minibatch)})
     frozen = lambda model: frozen_log_probs(model, tensors, lengths, my_rows, args.microbatch_size, args.temperature)
-    off_policy = "old_log_probs" in LOSS_TYPES[args.loss_type] and len(plan) > 1
-    old_log_probs = frozen(policy) if off_policy else None
+    old_log_probs = frozen(policy) if "old_log_probs" in LOSS_TYPES[args.loss_type] and len(plan) > 1 else None
     ref_log_probs = frozen(reference) if reference is not None else None
     for minibatch in plan:
         n_tokens = int(tensors["response_mask"][minibatch].sum())
-        n_micro, update_loss = math.ceil(len(minibatch) / args.microbatch_size), torch.zeros((), device=device)
-        for rows, micro in microbatches(tensors, mine(minibatch), lengths, args.microbatch_size, str(device)):
+        n_micro, update_loss = math.ceil(len(minibatch) / args.microbatch_size), torch.zeros((), device=policy.device)
+        for rows, micro in microbatches(tensors, mine(minibatch), lengths, args.microbatch_size, str(policy.device)):
             with autocast:
                 out = get_response_log_probs(policy, micro["input_ids"], micro["labels"], True, args.temperature)
             width = micro["labels"].shape[1]
-            # One optimizer step per rollout batch: the policy IS the old policy; its own log-probs, detached, are
-            # the old ones, at no extra forward pass.
+            # One optimizer step per rollout batch: the policy IS the old policy, at no extra forward pass.
             old = out["log_probs"].detach() if old_log_probs is None else old_log_probs[rows, :width]
             loss, metadata = grpo_microbatch_train_step(
                 out["log_probs"], micro["response_mask"], n_micro, args.loss_type,
@@ -396,10 +375,8 @@ def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths:
                 cliprange=(args.clip_low, args.clip_high), loss_aggregation=args.loss_aggregation,
                 n_batch_sequences=len(minibatch), n_batch_tokens=n_tokens, normalize_constant=args.max_tokens,
                 ref_log_probs=None if ref_log_probs is None else ref_log_probs[rows, :width], beta=args.beta,
-                engine_log_probs=micro["engine_log_probs"], is_cap=args.vllm_importance_sampling_cap,
-            )  # fmt: skip
-            # Summed on the device: an .item() per microbatch would wait for the GPU.
-            update_loss, mask = update_loss + loss, micro["response_mask"]
+                engine_log_probs=micro["engine_log_probs"], is_cap=args.vllm_importance_sampling_cap)  # fmt: skip
+            update_loss, mask = update_loss + loss, micro["response_mask"]  # on the device: no sync per microbatch
             per_token = {"entropy": out["token_entropy"], "tokens": torch.ones_like(mask), **metadata}
             for key, tensor in per_token.items():
                 sums[key] = sums.get(key, 0.0) + (tensor * mask).sum(dtype=torch.float32)
@@ -414,11 +391,9 @@ def update_policy(policy, reference, optimizer, scheduler, batch: dict, lengths:
             sums.update(loss=sums["loss"] + update_loss, grad_norm=sums["grad_norm"] + grad_norm,
                         updates=sums["updates"] + 1)  # fmt: skip
         elif n_bad_in_a_row >= 3:
-            raise RuntimeError(f"{n_bad_in_a_row} non-finite updates in a row (step {step + 1}): stopping. "
-                               "Check the rewards and the learning rate.")  # fmt: skip
+            raise RuntimeError(f"step {step + 1}: {n_bad_in_a_row} non-finite updates in a row; check rewards and lr")
         else:
-            warnings.warn(f"step {step + 1}: loss {update_loss} or gradient norm {grad_norm} is not finite; "
-                          "update skipped", stacklevel=2)  # fmt: skip
+            warnings.warn(f"step {step + 1}: loss {update_loss} or grad {grad_norm} not finite; skipped", stacklevel=2)
         optimizer.zero_grad(set_to_none=True)
     parts = gather([{k: float(v) for k, v in sums.items() if torch.is_tensor(v)}])  # per-token sums of every rank
     sums |= {k: sum(part.get(k, 0.0) for part in parts) for part in parts for k in part}  # (a rank with no rows: {})
@@ -455,14 +430,8 @@ def write_rollouts(path: Path, step: int, examples, prompts, completions, reward
                         for ex, prompt, group in zip(examples, prompts, groups, strict=True)])  # fmt: skip
 
 
-# train/<name>: the per-token means of the update's sums (grpo_microbatch_train_step's metadata)
-TOKEN_MEANS = {"entropy": "entropy", "clipped": "clip_fraction", "clipped_low": "clip_fraction_low",
-               "clipped_high": "clip_fraction_high", "kl": "kl", "engine_gap": "engine_logprob_gap",
-               "above_is_cap": "frac_above_is_cap"}  # fmt: skip
-
-
 def step_metrics(reward_metadata: dict, completions: list, n_trained: int, sums: dict, extra: dict, args: Args) -> dict:
-    """One GRPO step's metrics: rollout statistics, the means of the update's sums."""
+    """One GRPO step's metrics: rollout statistics, the update's means (per token for the train step's metadata)."""
     lengths = [len(c.token_ids) for c in completions]
     metrics = {**{f"rollout/{key}": value for key, value in reward_metadata.items()},
                "rollout/response_length": float(np.mean(lengths)), "rollout/response_length_max": max(lengths),
@@ -473,11 +442,14 @@ def step_metrics(reward_metadata: dict, completions: list, n_trained: int, sums:
         metrics["train/loss"] = sums["loss"] / sums["updates"]  # ~0 on-policy while the gradient is not
         metrics["train/grad_norm"] = sums["grad_norm"] / sums["updates"]
         metrics["train/tokens_per_second"] = sums["positions"] * args.epochs_per_rollout_batch / extra["time/train"]
-        metrics.update({f"train/{v}": sums[k] / max(sums["tokens"], 1) for k, v in TOKEN_MEANS.items() if k in sums})
+        token_means = {"entropy": "entropy", "clipped": "clip_fraction", "clipped_low": "clip_fraction_low",
+                       "clipped_high": "clip_fraction_high", "kl": "kl", "engine_gap": "engine_logprob_gap",
+                       "above_is_cap": "frac_above_is_cap"}  # fmt: skip
+        metrics.update({f"train/{v}": sums[k] / max(sums["tokens"], 1) for k, v in token_means.items() if k in sums})
     return metrics
 
 
-# --- PLUMBING: the vLLM engine and its weight reloads (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def engine_device(device: str):
@@ -495,14 +467,9 @@ def init_vllm(model: str, device: str, seed: int, gpu_memory_utilization: float,
         # float32: log-probs match the trainer's; eager: no ~40 s compile; a 1 GiB KV cache, not half the RAM. No
         # chunked prefill: vLLM then rewinds seeded generators, which fails on CPU ("CPU Generator does not use offset")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        llm = LLM(**common, dtype="float32", enforce_eager=True, enable_chunked_prefill=False)
-    else:  # device_ids places the engine; gpu_memory_utilization is a fraction of that whole GPU
-        gpu = torch.device(device).index or 0
-        llm = LLM(**common, dtype="bfloat16", device_ids=[gpu], gpu_memory_utilization=gpu_memory_utilization)
-    cache = llm.llm_engine.vllm_config.cache_config  # more sequences than fit are preempted and recomputed: slow
-    n_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
-    print(f"vLLM on {device}: KV cache of {n_tokens} tokens, {n_tokens // max_model_len} sequences of {max_model_len}")
-    return llm
+        return LLM(**common, dtype="float32", enforce_eager=True, enable_chunked_prefill=False)
+    gpu = torch.device(device).index or 0  # device_ids places the engine; the memory share is of that whole GPU
+    return LLM(**common, dtype="bfloat16", device_ids=[gpu], gpu_memory_utilization=gpu_memory_utilization)
 
 
 def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
@@ -542,7 +509,7 @@ def probe_gap(policy, llm: LLM, probe_prompts: list[list[int]], device: str, n_t
     |log-prob gap| (a near-tie in bf16 must not stop a run). Generated: prompt log-probs skip the prefix cache."""
     params = SamplingParams(temperature=0.0, max_tokens=n_tokens, logprobs=0, ignore_eos=True)
     with engine_device(device):
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe_prompts], params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in probe_prompts], params, use_tqdm=False)
     gaps = []
     for prompt, output in zip(probe_prompts, outputs, strict=True):
         ids, logprobs = list(output.outputs[0].token_ids), output.outputs[0].logprobs
@@ -567,49 +534,44 @@ def reload_and_check(policy, llm: LLM, probe_prompts: list[list[int]], device: s
     return gap
 
 
-# --- PLUMBING: evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-
-def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, devices: tuple[str, str], run_dir: Path, step: int):
-    """Greedy responses to each dataset's eval examples, scored: metrics per dataset and in all; a few responses go to
-    generations.jsonl (log_generations). devices: (trainer's, engine's)."""
+def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, vllm_device: str, run_dir: Path, step: int):
+    """Greedy responses to every eval example, scored: metrics per dataset and in all; a few to generations.jsonl."""
     t0, examples = time.time(), my_share([ex for name in task.names for ex in task.evals[name]])  # gathered below
     prompts = [task.prompt(ex) for ex in examples]  # stop strings stay in the output: the verifier reads them
     params = [SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens, stop=task.stop(ex),
                              include_stop_str_in_output=True) for ex in examples]  # fmt: skip
-    with engine_device(devices[1]):
+    with engine_device(vllm_device):
         completions = [output.outputs[0] for output in llm.generate(prompts, params, use_tqdm=True)]
     rewards = verifiers.score_batch([c.text for c in completions], examples)  # code: programs run in a pool
     records = [{"dataset": ex["dataset"], "id": ex["id"], "prompt": prompt, "response": c.text, "answer": ex["answer"],
                 "reward": reward, "n_tokens": len(c.token_ids), "truncated": c.finish_reason == "length"}
                for ex, prompt, c, reward in zip(examples, prompts, completions, rewards, strict=True)]  # fmt: skip
     records = gather(records)
-    sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations], devices[0])
+    sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations])
     append_jsonl(run_dir / "generations.jsonl", [{"step": step, **sample} for sample in samples])
     metrics = data.eval_metrics(records)
     print(f"step {step:5d} | eval accuracy {metrics['eval/accuracy']:.3f} format {metrics['eval/format_rate']:.3f}")
     return {**metrics, **sample_metrics, "time/eval": time.time() - t0}
 
 
-def log_generations(policy, tokenizer, records: list[dict], policy_device: str) -> tuple[dict, list[dict]]:
-    """The trainer's mean token entropy over each record's response, and lengths: (metrics, records with
-    "mean_token_entropy"). None, not NaN, where there is nothing: strict JSON."""
-    out, mean = [], lambda xs: float(np.mean(xs)) if xs else None
+def log_generations(policy, tokenizer, records: list[dict]) -> tuple[dict, list[dict]]:
+    """The trainer's mean token entropy over each record's response: (metrics, records with "mean_token_entropy").
+    None, not NaN, without records: strict JSON. (data.eval_metrics has the lengths, over all the records.)"""
+    out = []
     for record in records:
         batch = tokenize_prompt_and_output([record["prompt"]], [record["response"]], tokenizer)
-        batch = {k: v.to(policy_device) for k, v in batch.items()}
+        batch = {k: v.to(policy.device) for k, v in batch.items()}
         with torch.no_grad():
             entropy = get_response_log_probs(policy, batch["input_ids"], batch["labels"], True)["token_entropy"]
         n_tokens = max(batch["response_mask"].sum().item(), 1)
         out.append({**record, "mean_token_entropy": masked_normalize(entropy, batch["response_mask"], n_tokens).item()})
-    lengths = lambda correct: mean([r["n_tokens"] for r in out if (r["reward"]["reward"] == 1) == correct])
-    return {"eval/sample_token_entropy": mean([r["mean_token_entropy"] for r in out]),
-            "eval/sample_length": mean([r["n_tokens"] for r in out]), "eval/sample_length_correct": lengths(True),
-            "eval/sample_length_incorrect": lengths(False)}, out  # fmt: skip
+    return {"eval/sample_token_entropy": float(np.mean([r["mean_token_entropy"] for r in out])) if out else None}, out
 
 
-# --- PLUMBING: run folder, devices, policy, checkpoints, logs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: run folder, devices, checkpoints, logs, ranks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
+RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
+RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others (docs/distributed.md)
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {"resume", "output_dir", "track", "wandb_project", "policy_device", "vllm_device",
                      "vllm_gpu_memory_utilization", "gradient_checkpointing", "keep_checkpoints",
@@ -654,8 +616,7 @@ def resolve_devices(args) -> tuple[str, str, float, float]:
 
 
 def load_policy(model_path: str, device: str, gradient_checkpointing: bool, seed: int):
-    """Seed torch, make the trainer's GPU current (the engine made its own current), load the model in float32, train
-    mode. Returns it and its context: bf16 autocast on a GPU."""
+    """Seed, make the trainer's GPU current (the engine set its own), load in float32, train mode: (model, autocast)."""
     torch.manual_seed(seed)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -685,9 +646,6 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    if len(checkpoints(run_dir)) == 1:
-        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e9
-        print(f"checkpoint {final}: {size:.3g} GB; the newest {keep or 'all'} are kept (--keep-checkpoints)")
     for old in checkpoints(run_dir)[:-keep] if keep else []:
         shutil.rmtree(old)
 
@@ -715,30 +673,19 @@ def append_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def make_logger(run_dir: Path, args):
-    """log(metrics, step) appends a line to metrics.jsonl (NaN as null: strict JSON) and, with --track, to W&B. Rank 0
-    logs what every rank computed."""
-    if RANK:
-        return lambda metrics, step: None
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
-    if args.track:
+    """log(metrics, step) appends to metrics.jsonl (NaN as null: strict JSON) and W&B (--track): rank 0, for all."""
+    if args.track and RANK == 0:
         import wandb
 
         wandb.init(project=args.wandb_project, name=run_dir.name, config=asdict(args), resume="allow")
 
     def log(metrics: dict, step: int) -> None:
         metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-        metrics_file.write(json.dumps({"step": step, **metrics}, allow_nan=False) + "\n")
-        metrics_file.flush()
-        if args.track:
+        append_jsonl(run_dir / "metrics.jsonl", [{"step": step, **metrics}])
+        if args.track and RANK == 0:
             wandb.log(metrics, step=step)
 
     return log
-
-
-# --- PLUMBING: data parallel under torchrun (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
-RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others (docs/distributed.md)
 
 
 def init_distributed(timeout_s: float) -> None:
@@ -788,18 +735,15 @@ def main(args: Args) -> Path:
     model_path = str(checkpoints(run_dir)[-1]) if checkpoints(run_dir) else args.model
     print(f"run folder {run_dir}; trainer on {policy_device}, vLLM on {vllm_device}; starting from {model_path}")
     task.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
-    all_examples = task.train + [ex for examples in task.evals.values() for ex in examples]
-    longest_prompt = max(len(ids) for ids in tokenizer([task.prompt(ex) for ex in all_examples])["input_ids"])
     # The engine's context must hold a prompt and its response, and the 400-token reload probes plus 16 tokens.
-    max_model_len = max(longest_prompt, 400) + max(args.max_tokens, args.eval_max_tokens, 16)
+    max_model_len = max(task.longest_prompt(), 400) + max(args.max_tokens, args.eval_max_tokens, 16)
     # The engine first: it starts only if gpu_memory_utilization x its GPU is free; the trainer gets the rest.
     llm = init_vllm(model_path, vllm_device, args.seed, memory_fraction, max_model_len)
     policy, autocast = load_policy(model_path, policy_device, args.gradient_checkpointing, args.seed)
-    # The KL penalty's reference: the starting model (also after --resume), frozen, bf16 on a GPU
-    dtype = torch.bfloat16 if policy_device.startswith("cuda") else torch.float32
+    dtype = torch.bfloat16 if policy_device.startswith("cuda") else torch.float32  # the KL's reference: bf16 on a GPU
     reference = (AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(policy_device).requires_grad_(False)
-                 if args.beta > 0 else None)  # fmt: skip
-    # logprobs=0: the engine also returns each sampled token's log-prob (free), for the mismatch correction
+                 if args.beta > 0 else None)  # the starting model, frozen (also after --resume)  # fmt: skip
+    # logprobs=0: each sampled token's log-prob too, after temperature (processed_logprobs), for the mismatch correction
     sampling = dict(n=args.group_size, temperature=args.temperature, max_tokens=args.max_tokens,
                     include_stop_str_in_output=True, logprobs=0)  # fmt: skip
     probe_prompts = make_probe_prompts(tokenizer, [task.prompt(ex) + ex["solution"] for ex in task.train[:8]])
@@ -807,22 +751,19 @@ def main(args: Args) -> Path:
     # --- Optimizer and resume ---
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     updates_per_step = args.rollout_batch_size // args.train_batch_size * args.epochs_per_rollout_batch
-    # Linear warmup, then constant or a cosine to 0 at the last GRPO step, counted in optimizer steps
     scheduler = get_scheduler("cosine" if args.lr_schedule == "cosine" else "constant_with_warmup", optimizer,
                               args.warmup_steps * updates_per_step, args.n_grpo_steps * updates_per_step)  # fmt: skip
     start_step = resume_from(run_dir, optimizer, scheduler, "rollouts.jsonl")
     log = make_logger(run_dir, args)
     gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)  # the engine follows from step 0 on
-    devices = (policy_device, vllm_device)
     if start_step == 0:
-        log({**evaluate(llm, policy, tokenizer, task, args, devices, run_dir, 0), "reload/logprob_gap": gap}, 0)
+        log({**evaluate(llm, policy, tokenizer, task, args, vllm_device, run_dir, 0), "reload/logprob_gap": gap}, 0)
 
     # --- ALGORITHM: the GRPO loop ---
     n_bad_in_a_row = 0
     for step in range(start_step, args.n_grpo_steps):
-        t_step = time.time()
-        # --- 1. Generate and score: group_size responses to each of the step's questions; --dynamic-sampling draws
-        # more (DAPO; draw d from (seed + d * 1_000_003, step)) until n_prompts have a signal ---
+        ends = {"start": time.time()}  # when each phase ended: time/<phase> is the time from the previous end
+        # --- 1. Generate and score group_size responses to each question; --dynamic-sampling (DAPO) draws more ---
         examples, prompts, outputs, scores, t_score = [], [], [], [], 0.0
         for draw in range(args.max_draws if args.dynamic_sampling else 1):
             drawn, seeds = task.questions(n_prompts, args.group_size, args.seed + draw * 1_000_003, step)
@@ -843,27 +784,23 @@ def main(args: Args) -> Path:
         # Flattened, group by group: responses j * G ... j * G + G - 1 answer question j.  (B,) lists
         completions = [c for output in outputs for c in output.outputs]
         prompt_ids = [list(output.prompt_token_ids) for output in outputs for _ in output.outputs]
-        # log p_engine of each sampled token, after temperature (init_vllm asks for "processed_logprobs")
         engine_lps = [[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)] for c in completions]
-        t_generate = time.time() - t_step - t_score
+        ends["generate"] = time.time() - t_score  # minus the draws' scoring: it counts in time/score
 
         # --- 2. Advantages within each group (scored above: the reward_fn hands back each response's score) ---
-        t0 = time.time()
         advantages, raw_rewards, reward_metadata = compute_group_normalized_rewards(
             lambda _, score: score, [c.text for c in completions], scores, args.group_size, args.advantage_eps,
             args.normalize_by_std)  # fmt: skip
         has_signal = groups_with_signal(raw_rewards, args.group_size, args.loss_type)  # (n_groups,)
-        if args.dynamic_sampling:  # DAPO: the first n_prompts groups with a signal fill the batch
-            has_signal &= has_signal.cumsum(0) <= n_prompts
+        has_signal &= has_signal.cumsum(0) <= n_prompts  # DAPO's dynamic sampling: the first n_prompts fill the batch
         rows = [i for i, c in enumerate(completions)  # the responses trained on
                 if (has_signal[i // args.group_size] or not args.drop_zero_variance_groups)
                 and not (args.mask_truncated and c.finish_reason == "length")]  # fmt: skip
-        t_score += time.time() - t0
         write_rollouts(run_dir / "rollouts.jsonl", step + 1, examples, prompts, completions, raw_rewards, advantages,
                        set(rows), args.group_size)  # fmt: skip
+        ends["score"] = time.time()
 
         # --- 3. Update: epochs over the kept rollouts, optimizer steps on minibatches, gradient accumulation ---
-        t0 = time.time()
         sums = {"loss": 0.0, "grad_norm": 0.0, "updates": 0, "positions": 0}
         if rows:
             batch = collate_token_ids([prompt_ids[i] for i in rows], [completions[i].token_ids for i in rows], 0)
@@ -874,31 +811,28 @@ def main(args: Args) -> Path:
             sums, n_bad_in_a_row = update_policy(policy, reference, optimizer, scheduler, batch, lengths, args, step,
                                                  autocast, n_bad_in_a_row)  # fmt: skip
         catch_up_scheduler(scheduler, step + 1, updates_per_step)
-        t_train = time.time() - t0
+        ends["train"] = time.time()
 
         # --- 4. Reload the new weights into the engine, and prove it follows them (unless nothing changed) ---
-        t0 = time.time()
         gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol) if sums["updates"] else None
-        t_reload = time.time() - t0
+        ends["reload"] = time.time()
 
         # --- 5. Log, evaluate, save ---
         step_done = step + 1
-        extra = {"train/lr": scheduler.get_last_lr()[0], "reload/logprob_gap": gap, "time/generate": t_generate,
-                 "rollout/n_draws": len(outputs) // n_prompts, "time/score": t_score, "time/train": t_train,
-                 "time/reload": t_reload}  # fmt: skip
+        extra = {"train/lr": scheduler.get_last_lr()[0], "reload/logprob_gap": gap, "rollout/n_draws": draw + 1,
+                 **{f"time/{phase}": ends[phase] - ends[prev] for prev, phase in pairwise(ends)}}  # fmt: skip
         metrics = step_metrics(reward_metadata, completions, len(rows), sums, extra, args)
         metrics.update(task.rollout_metrics(examples, raw_rewards.view(-1, args.group_size).tolist()))
         if step_done % args.eval_every == 0 or step_done == args.n_grpo_steps:
-            metrics.update(evaluate(llm, policy, tokenizer, task, args, devices, run_dir, step_done))
-        metrics["time/step"] = time.time() - t_step
+            metrics.update(evaluate(llm, policy, tokenizer, task, args, vllm_device, run_dir, step_done))
+        metrics["time/step"] = time.time() - ends["start"]
         log(metrics, step_done)
         why = "finite update" if rows else "group with a reward signal"
         trained = (f"loss {metrics['train/loss']:+.4f} grad {metrics['train/grad_norm']:.3f} | gap {gap:.0e}"
                    if sums["updates"] else f"nothing trained: no {why}")  # fmt: skip
-        print(f"step {step_done:5d}/{args.n_grpo_steps} | reward {metrics['rollout/reward_mean']:.3f} | "
-              f"len {metrics['rollout/response_length']:.0f} trunc {metrics['rollout/truncation_rate']:.2f} | "
-              f"zero-std groups {metrics['rollout/frac_zero_std_groups']:.2f} | {trained} | "
-              f"{metrics['time/step']:.1f} s")  # fmt: skip
+        print(f"step {step_done:5d}/{args.n_grpo_steps} | reward {metrics['rollout/reward_mean']:.3f} | len "
+              f"{metrics['rollout/response_length']:.0f} trunc {metrics['rollout/truncation_rate']:.2f} | zero-std "
+              f"{metrics['rollout/frac_zero_std_groups']:.2f} | {trained} | {metrics['time/step']:.1f} s")  # fmt: skip
         if step_done % args.save_every == 0 or step_done == args.n_grpo_steps:
             save_checkpoint(run_dir, step_done, policy, tokenizer, optimizer, scheduler, args.keep_checkpoints)
     return run_dir

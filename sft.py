@@ -2,8 +2,7 @@
 
 SFT is maximum likelihood on (prompt, response) pairs: minimise the negative log-probability of each response token
 (its EOS included) given the prompt and the tokens before it. On worked solutions (a dataset's, or a stronger model's
-traces) a base model learns the answer format and a way of reasoning; expert_iter.py and grpo.py start from its
-checkpoint. An engine on its own GPU evaluates while training goes on.
+traces) a base model learns the answer format and a way of reasoning; expert_iter.py and grpo.py start from the result.
 
 Deliberate simplifications: (1) more GPUs means data parallel (torchrun: each rank a whole model, an engine and a share
 of each batch): a 1.7B model in fp32 with AdamW fits one 80 GB GPU; (2) every optimizer step sees exactly `batch_size`
@@ -38,7 +37,6 @@ import torch.distributed as dist
 import tyro
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
 
 import data
 import verifiers
@@ -55,8 +53,8 @@ class Args:
     wandb_project: str = "rlvr-sft"  # the W&B project, with --track
     # --- model ---
     model: str = "Qwen/Qwen3-1.7B-Base"  # Hugging Face model name or local model folder to fine-tune
-    policy_device: str | None = None  # device of the trainer; None: cuda:0 if there is a GPU, else cpu
-    vllm_device: str | None = None  # device of the vLLM engine; None: cuda:1 with two GPUs, else the policy's device
+    policy_device: str | None = None  # device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)
+    vllm_device: str | None = None  # device of the vLLM engine; None: this rank's second GPU, else the trainer's
     vllm_gpu_memory_utilization: float | None = None  # the engine's share of its GPU; None: 0.85 alone, 0.3 shared
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, about 30% more time
     # --- data ---
@@ -125,21 +123,18 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
     """log p(labels[t] | input_ids[:t+1]): (B, T) -> {"log_probs": (B, T)}, and "token_entropy" (B, T). The logits
     are divided by `temperature` as the engine's are when it samples (grpo.py needs it; SFT uses 1)."""
     logits = model(input_ids).logits.float()  # (B, T, V); float32 even under bf16 autocast
-    if temperature != 1.0:  # not at T = 1: another (B, T, V) float32 copy, for nothing
-        logits = logits / temperature
+    logits = logits / temperature if temperature != 1.0 else logits  # at T = 1, no second (B, T, V) copy
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    out = {"log_probs": log_probs}
-    if return_token_entropy:
-        with torch.no_grad():
-            out["token_entropy"] = compute_entropy(logits)
-    return out
+    if not return_token_entropy:
+        return {"log_probs": log_probs}
+    with torch.no_grad():
+        return {"log_probs": log_probs, "token_entropy": compute_entropy(logits)}
 
 
 def masked_normalize(tensor: torch.Tensor, mask: torch.Tensor, normalize_constant: float,
                      dim: int | None = None) -> torch.Tensor:  # fmt: skip
     """Sum of `tensor` where mask is 1, over `dim` (all dims if None), divided by normalize_constant."""
-    masked = tensor * mask
-    return (masked.sum() if dim is None else masked.sum(dim=dim)) / normalize_constant
+    return (tensor * mask).sum(dim=dim) / normalize_constant
 
 
 # --- ALGORITHM: the SFT loss (same in sft.py and expert_iter.py) ---
@@ -179,7 +174,7 @@ def sft_batch_train_step(policy, tokenizer, batch: list[dict], microbatch_size: 
     return {"loss": sums[0].item(), "entropy_sum": sums[1].item(), "n_response_tokens": sum(lengths)}
 
 
-# --- PLUMBING: the vLLM engine and its weight reloads (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def engine_device(device: str):
@@ -197,14 +192,9 @@ def init_vllm(model: str, device: str, seed: int, gpu_memory_utilization: float,
         # float32: log-probs match the trainer's; eager: no ~40 s compile; a 1 GiB KV cache, not half the RAM. No
         # chunked prefill: vLLM then rewinds seeded generators, which fails on CPU ("CPU Generator does not use offset")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        llm = LLM(**common, dtype="float32", enforce_eager=True, enable_chunked_prefill=False)
-    else:  # device_ids places the engine; gpu_memory_utilization is a fraction of that whole GPU
-        gpu = torch.device(device).index or 0
-        llm = LLM(**common, dtype="bfloat16", device_ids=[gpu], gpu_memory_utilization=gpu_memory_utilization)
-    cache = llm.llm_engine.vllm_config.cache_config  # more sequences than fit are preempted and recomputed: slow
-    n_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
-    print(f"vLLM on {device}: KV cache of {n_tokens} tokens, {n_tokens // max_model_len} sequences of {max_model_len}")
-    return llm
+        return LLM(**common, dtype="float32", enforce_eager=True, enable_chunked_prefill=False)
+    gpu = torch.device(device).index or 0  # device_ids places the engine; the memory share is of that whole GPU
+    return LLM(**common, dtype="bfloat16", device_ids=[gpu], gpu_memory_utilization=gpu_memory_utilization)
 
 
 def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
@@ -244,7 +234,7 @@ def probe_gap(policy, llm: LLM, probe_prompts: list[list[int]], device: str, n_t
     |log-prob gap| (a near-tie in bf16 must not stop a run). Generated: prompt log-probs skip the prefix cache."""
     params = SamplingParams(temperature=0.0, max_tokens=n_tokens, logprobs=0, ignore_eos=True)
     with engine_device(device):
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probe_prompts], params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in probe_prompts], params, use_tqdm=False)
     gaps = []
     for prompt, output in zip(probe_prompts, outputs, strict=True):
         ids, logprobs = list(output.outputs[0].token_ids), output.outputs[0].logprobs
@@ -269,49 +259,44 @@ def reload_and_check(policy, llm: LLM, probe_prompts: list[list[int]], device: s
     return gap
 
 
-# --- PLUMBING: evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-
-def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, devices: tuple[str, str], run_dir: Path, step: int):
-    """Greedy responses to each dataset's eval examples, scored: metrics per dataset and in all; a few responses go to
-    generations.jsonl (log_generations). devices: (trainer's, engine's)."""
+def evaluate(llm: LLM, policy, tokenizer, task: data.Task, args, vllm_device: str, run_dir: Path, step: int):
+    """Greedy responses to every eval example, scored: metrics per dataset and in all; a few to generations.jsonl."""
     t0, examples = time.time(), my_share([ex for name in task.names for ex in task.evals[name]])  # gathered below
     prompts = [task.prompt(ex) for ex in examples]  # stop strings stay in the output: the verifier reads them
     params = [SamplingParams(temperature=0.0, max_tokens=args.eval_max_tokens, stop=task.stop(ex),
                              include_stop_str_in_output=True) for ex in examples]  # fmt: skip
-    with engine_device(devices[1]):
+    with engine_device(vllm_device):
         completions = [output.outputs[0] for output in llm.generate(prompts, params, use_tqdm=True)]
     rewards = verifiers.score_batch([c.text for c in completions], examples)  # code: programs run in a pool
     records = [{"dataset": ex["dataset"], "id": ex["id"], "prompt": prompt, "response": c.text, "answer": ex["answer"],
                 "reward": reward, "n_tokens": len(c.token_ids), "truncated": c.finish_reason == "length"}
                for ex, prompt, c, reward in zip(examples, prompts, completions, rewards, strict=True)]  # fmt: skip
     records = gather(records)
-    sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations], devices[0])
+    sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations])
     append_jsonl(run_dir / "generations.jsonl", [{"step": step, **sample} for sample in samples])
     metrics = data.eval_metrics(records)
     print(f"step {step:5d} | eval accuracy {metrics['eval/accuracy']:.3f} format {metrics['eval/format_rate']:.3f}")
     return {**metrics, **sample_metrics, "time/eval": time.time() - t0}
 
 
-def log_generations(policy, tokenizer, records: list[dict], policy_device: str) -> tuple[dict, list[dict]]:
-    """The trainer's mean token entropy over each record's response, and lengths: (metrics, records with
-    "mean_token_entropy"). None, not NaN, where there is nothing: strict JSON."""
-    out, mean = [], lambda xs: float(np.mean(xs)) if xs else None
+def log_generations(policy, tokenizer, records: list[dict]) -> tuple[dict, list[dict]]:
+    """The trainer's mean token entropy over each record's response: (metrics, records with "mean_token_entropy").
+    None, not NaN, without records: strict JSON. (data.eval_metrics has the lengths, over all the records.)"""
+    out = []
     for record in records:
         batch = tokenize_prompt_and_output([record["prompt"]], [record["response"]], tokenizer)
-        batch = {k: v.to(policy_device) for k, v in batch.items()}
+        batch = {k: v.to(policy.device) for k, v in batch.items()}
         with torch.no_grad():
             entropy = get_response_log_probs(policy, batch["input_ids"], batch["labels"], True)["token_entropy"]
         n_tokens = max(batch["response_mask"].sum().item(), 1)
         out.append({**record, "mean_token_entropy": masked_normalize(entropy, batch["response_mask"], n_tokens).item()})
-    lengths = lambda correct: mean([r["n_tokens"] for r in out if (r["reward"]["reward"] == 1) == correct])
-    return {"eval/sample_token_entropy": mean([r["mean_token_entropy"] for r in out]),
-            "eval/sample_length": mean([r["n_tokens"] for r in out]), "eval/sample_length_correct": lengths(True),
-            "eval/sample_length_incorrect": lengths(False)}, out  # fmt: skip
+    return {"eval/sample_token_entropy": float(np.mean([r["mean_token_entropy"] for r in out])) if out else None}, out
 
 
-# --- PLUMBING: run folder, devices, policy, checkpoints, logs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: run folder, devices, checkpoints, logs, ranks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
+RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
+RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others (docs/distributed.md)
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {"resume", "output_dir", "track", "wandb_project", "policy_device", "vllm_device",
                      "vllm_gpu_memory_utilization", "gradient_checkpointing", "keep_checkpoints",
@@ -356,8 +341,7 @@ def resolve_devices(args) -> tuple[str, str, float, float]:
 
 
 def load_policy(model_path: str, device: str, gradient_checkpointing: bool, seed: int):
-    """Seed torch, make the trainer's GPU current (the engine made its own current), load the model in float32, train
-    mode. Returns it and its context: bf16 autocast on a GPU."""
+    """Seed, make the trainer's GPU current (the engine set its own), load in float32, train mode: (model, autocast)."""
     torch.manual_seed(seed)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -387,9 +371,6 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    if len(checkpoints(run_dir)) == 1:
-        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file()) / 1e9
-        print(f"checkpoint {final}: {size:.3g} GB; the newest {keep or 'all'} are kept (--keep-checkpoints)")
     for old in checkpoints(run_dir)[:-keep] if keep else []:
         shutil.rmtree(old)
 
@@ -417,30 +398,19 @@ def append_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def make_logger(run_dir: Path, args):
-    """log(metrics, step) appends a line to metrics.jsonl (NaN as null: strict JSON) and, with --track, to W&B. Rank 0
-    logs what every rank computed."""
-    if RANK:
-        return lambda metrics, step: None
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
-    if args.track:
+    """log(metrics, step) appends to metrics.jsonl (NaN as null: strict JSON) and W&B (--track): rank 0, for all."""
+    if args.track and RANK == 0:
         import wandb
 
         wandb.init(project=args.wandb_project, name=run_dir.name, config=asdict(args), resume="allow")
 
     def log(metrics: dict, step: int) -> None:
         metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-        metrics_file.write(json.dumps({"step": step, **metrics}, allow_nan=False) + "\n")
-        metrics_file.flush()
-        if args.track:
+        append_jsonl(run_dir / "metrics.jsonl", [{"step": step, **metrics}])
+        if args.track and RANK == 0:
             wandb.log(metrics, step=step)
 
     return log
-
-
-# --- PLUMBING: data parallel under torchrun (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; alone: 0 of 1
-RANKS = {}  # under torchrun: a gloo group, and how long a rank waits in it for the others (docs/distributed.md)
 
 
 def init_distributed(timeout_s: float) -> None:
@@ -507,14 +477,14 @@ def main(args: Args) -> Path:
     scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(args.warmup_ratio * n_steps), n_steps)
     start_step = resume_from(run_dir, optimizer, scheduler)
     log = make_logger(run_dir, args)
-    devices, evaluator, evaluation = (policy_device, vllm_device), ThreadPoolExecutor(max_workers=1), None
+    evaluator, evaluation = ThreadPoolExecutor(max_workers=1), None
     background = vllm_device != policy_device if args.eval_in_background is None else args.eval_in_background
-    # Off under torchrun: evaluate() gathers, and collectives from two threads, in other orders on two ranks, deadlock
-    background &= WORLD_SIZE == 1
+    background &= WORLD_SIZE == 1  # off under torchrun: two threads' collectives, in another order per rank, deadlock
 
     def reload_and_evaluate(policy, step: int) -> tuple[dict, int]:  # in the background, a frozen copy of the policy
         gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)  # (+6.8 GB for Qwen3-1.7B fp32)
-        return {**evaluate(llm, policy, tokenizer, task, args, devices, run_dir, step), "reload/logprob_gap": gap}, step
+        metrics = evaluate(llm, policy, tokenizer, task, args, vllm_device, run_dir, step)
+        return {**metrics, "reload/logprob_gap": gap}, step
 
     def start_evaluation(step: int):  # returns the evaluation left in flight: in the background, this one
         if evaluation:  # the engine keeps step s's weights until its evaluation is done

@@ -377,7 +377,7 @@ def test_background_evaluation_equals_a_foreground_one_of_the_same_weights(tiny_
     for step, model in [(0, tiny_model_dir)] + [(int(c.name[5:]), c) for c in sft.checkpoints(run_dir)]:
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).train()
         gap = sft.reload_and_check(policy, llm, probes, "cpu", 1e-3)  # as main's reload_and_evaluate
-        metrics = {**sft.evaluate(llm, policy, tokenizer, task, args, ("cpu", "cpu"), tmp_path / "again", step),
+        metrics = {**sft.evaluate(llm, policy, tokenizer, task, args, "cpu", tmp_path / "again", step),
                    "reload/logprob_gap": gap}  # fmt: skip
         drop_time = lambda m: {k: v for k, v in m.items() if k not in ("step", "time/eval")}
         assert drop_time(metrics) == drop_time(background[step]), step  # accuracy, entropies, lengths, the gap
