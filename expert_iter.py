@@ -420,9 +420,9 @@ def resume_from(run_dir: Path, optimizer, scheduler, *record_files: str) -> int:
     return state["step"]
 
 
-def append_jsonl(path: Path, records: list[dict]) -> None:
+def append_jsonl(path: Path, records: list[dict], allow_nan: bool = True) -> None:
     with open(path if RANK == 0 else os.devnull, "a") as f:  # rank 0 writes what every rank gathered
-        f.writelines(json.dumps(record) + "\n" for record in records)
+        f.writelines(json.dumps(record, allow_nan=allow_nan) + "\n" for record in records)
 
 
 def make_logger(run_dir: Path, args):
@@ -434,7 +434,7 @@ def make_logger(run_dir: Path, args):
 
     def log(metrics: dict, step: int) -> None:
         metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()}
-        append_jsonl(run_dir / "metrics.jsonl", [{"step": step, **metrics}])
+        append_jsonl(run_dir / "metrics.jsonl", [{"step": step, **metrics}], allow_nan=False)  # a nested NaN: raise
         if args.track and RANK == 0:
             wandb.log(metrics, step=step)
 
