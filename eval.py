@@ -1,38 +1,47 @@
-"""Evaluate a model or checkpoint on GSM8K, MATH, MATH-500, MBPP, HumanEval, IFEval or the synthetic task,
-with vLLM; or on the whole baseline suite at once (--suite).
+"""Evaluate a model or checkpoint on GSM8K, MATH, MATH-500, MBPP, HumanEval, IFEval or the synthetic
+task, with vLLM; or on the whole baseline suite at once (--suite).
 
-For every problem: render the prompt with one of data.py's templates, sample `n` responses (greedy by default),
-score each with verifiers.score, and write one JSONL line. Then `summarize` turns those lines into the metrics:
-  accuracy       mean reward over all samples (= pass@1, averaged over problems)
-  pass@k         unbiased estimator of Chen et al. 2021 ("Evaluating LLMs trained on code", the Codex paper)
-  maj@k          majority vote over the extracted answers of the first k samples (ties: see `majority_vote`)
-  format_rate    share of samples whose strict answer could be extracted; and the breakdown of all samples
-                 into correct / formatted but wrong / unformatted (the three counts sum to problems x n)
-  truncated_rate share of samples cut off by --max-tokens (a high value means the budget is too small)
-  by_level, by_subject   accuracy per MATH level and subject (MATH and MATH-500)
-  strict / flexible      GSM8K only: lm-evaluation-harness's "strict-match" and "flexible-extract" accuracies
-For code (MBPP, HumanEval) a sample is correct iff its program passes every test in the sandbox (verifiers.py),
-"formatted" iff it compiles, and maj@k votes on identical programs.
-  prompt_level_*, inst_level_*, by_type   IFEval only (lm-eval's four numbers, then each instruction type's
-                 strict and loose accuracy); pass@k and maj@k are left out, as there is no answer to vote on
+For every problem: render the prompt with one of data.py's templates, sample `n` responses (greedy
+by default), score each with verifiers.score, and write one JSONL line. Then `summarize` turns those
+lines into the metrics:
+  accuracy       mean reward over all samples (= pass@1, averaged over problems) pass@k
+  unbiased estimator of Chen et al. 2021 ("Evaluating LLMs trained on code", the Codex paper) maj@k
+  majority vote over the extracted answers of the first k samples (ties: see `majority_vote`)
+  format_rate    share of samples whose strict answer could be extracted; and the breakdown of all
+  samples
+                 into correct / formatted but wrong / unformatted (the three counts sum to problems
+                 x n)
+  truncated_rate share of samples cut off by --max-tokens (a high value means the budget is too
+  small) by_level, by_subject   accuracy per MATH level and subject (MATH and MATH-500) strict /
+  flexible      GSM8K only: lm-evaluation-harness's "strict-match" and "flexible-extract" accuracies
+For code (MBPP, HumanEval) a sample is correct iff its program passes every test in the sandbox
+(verifiers.py), "formatted" iff it compiles, and maj@k votes on identical programs.
+  prompt_level_*, inst_level_*, by_type   IFEval only (lm-eval's four numbers, then each instruction
+  type's
+                 strict and loose accuracy); pass@k and maj@k are left out, as there is no answer to
+                 vote on
 
 Matching lm-evaluation-harness's `gsm8k` task (vLLM, greedy): use --template gsm8k_kshot --n-shot K
---max-tokens 256 (lm-eval's default max_gen_toks). The prompt ("Question: ...\\nAnswer:", shots joined by
-blank lines, stop at "Question:") is lm-eval's; strict = its "strict-match", flexible = its "flexible-extract".
-On the test split each question gets the shots lm-eval draws for it (data.lm_eval_fewshot); on the others, the
-first K train rows. One known difference: our strict reader takes the last "####" (lm-eval the first; equal when
-generation stops at "Question:"), and normalises numbers its own way. Expect numbers within a point, not identical.
-lm-eval's `mbpp` (3-shot) is --template mbpp_kshot --max-tokens 256; its `humaneval` (0-shot) is --template
-humaneval --max-tokens 1024 (greedy: lm-eval's humaneval-greedy; its default samples). Its `hendrycks_math` (4-shot)
-is --dataset math --template hendrycks_math_kshot --n-shot 4 --max-tokens 256: lm-eval's prompt and shots exactly,
-its answer span (between the first and last "$"), and our MATH verifier's comparison (`hendrycks_math_score`).
+--max-tokens 256 (lm-eval's default max_gen_toks). The prompt ("Question: ...\\nAnswer:", shots
+joined by blank lines, stop at "Question:") is lm-eval's; strict = its "strict-match", flexible =
+its "flexible-extract". On the test split each question gets the shots lm-eval draws for it
+(data.lm_eval_fewshot); on the others, the first K train rows. One known difference: our strict
+reader takes the last "####" (lm-eval the first; equal when generation stops at "Question:"), and
+normalises numbers its own way. Expect numbers within a point, not identical. lm-eval's `mbpp`
+(3-shot) is --template mbpp_kshot --max-tokens 256; its `humaneval` (0-shot) is --template humaneval
+--max-tokens 1024 (greedy: lm-eval's humaneval-greedy; its default samples). Its `hendrycks_math`
+(4-shot) is --dataset math --template hendrycks_math_kshot --n-shot 4 --max-tokens 256: lm-eval's
+prompt and shots exactly, its answer span (between the first and last "$"), and our MATH verifier's
+comparison (`hendrycks_math_score`).
 
---suite runs all of these (SUITE: GSM8K 0/4/8-shot, MATH 4-shot, IFEval, MBPP 3-shot, HumanEval) with one engine,
-writes each benchmark's samples.jsonl and summary.json in its own folder, and prints our numbers next to
-Qwen3-1.7B-Base's lm-eval numbers. docs/eval.md, "Reference numbers", says how each row differs from lm-eval's.
+--suite runs all of these (SUITE: GSM8K 0/4/8-shot, MATH 4-shot, IFEval, MBPP 3-shot, HumanEval)
+with one engine, writes each benchmark's samples.jsonl and summary.json in its own folder, and
+prints our numbers next to Qwen3-1.7B-Base's lm-eval numbers. docs/eval.md, "Reference numbers",
+says how each row differs from lm-eval's.
 
 Deliberately left out:
-  1. Symbolic equivalence for MATH (sympy / math_verify): see verifiers.py for why; the reward is exact match.
+  1. Symbolic equivalence for MATH (sympy / math_verify): see verifiers.py for why; the reward is
+  exact match.
   2. Data parallelism: one engine; use --tensor-parallel-size for models that do not fit one GPU.
 
 Usage:
@@ -75,10 +84,12 @@ import verifiers
 class Args:
     # --- run ---
     suite: bool = False
-    """evaluate on the whole baseline suite (SUITE) in one engine start and print one table next to Qwen3-1.7B-Base's
-    lm-eval numbers; each row sets its own dataset, split, template, n_shot and max_tokens"""
+    """evaluate on the whole baseline suite (SUITE) in one engine start and print one table next to
+    Qwen3-1.7B-Base's lm-eval numbers; each row sets its own dataset, split, template, n_shot and
+    max_tokens"""
     out_dir: str = "results"
-    """folder to create the results folder in: <out_dir>/<model>__<dataset>_<split>__<template>__<unix time>/"""
+    """folder to create the results folder in:
+    <out_dir>/<model>__<dataset>_<split>__<template>__<unix time>/"""
     seed: int = 0
     """seed of the engine's sampler"""
     # --- model ---
@@ -91,14 +102,18 @@ class Args:
     """gsm8k, synthetic: train/val/test; math, ifeval: train/test; math500, humaneval: test;
     mbpp, mbpp_sanitized: train/val/test/prompt"""
     data_dir: str | None = None
-    """data root with one folder per dataset (e.g. ../shared/data: gsm8k/, math/, mbpp/, ...); None: the hub"""
+    """data root with one folder per dataset (e.g. ../shared/data: gsm8k/, math/, mbpp/, ...); None:
+    the hub"""
     limit: int | None = None
-    """evaluate only the first N problems of the split (None: all); with --suite, of each benchmark"""
+    """evaluate only the first N problems of the split (None: all); with --suite, of each
+    benchmark"""
     template: str = "r1_zero"
-    """prompt template: r1_zero | question | chat | gsm8k_kshot | mbpp_kshot | humaneval | hendrycks_math_kshot"""
+    """prompt template: r1_zero | question | chat | gsm8k_kshot | mbpp_kshot | humaneval |
+    hendrycks_math_kshot"""
     n_shot: int = 8
-    """number of exemplars in the prompt: GSM8K train rows (gsm8k_kshot), MBPP tasks 2, 3, 4 (mbpp_kshot, at most 3),
-    MATH train problems drawn per problem as lm-eval does (hendrycks_math_kshot, MATH test only)"""
+    """number of exemplars in the prompt: GSM8K train rows (gsm8k_kshot), MBPP tasks 2, 3, 4
+    (mbpp_kshot, at most 3), MATH train problems drawn per problem as lm-eval does
+    (hendrycks_math_kshot, MATH test only)"""
     # --- sampling ---
     n: int = 1
     """responses sampled per problem"""
@@ -109,8 +124,9 @@ class Args:
     top_p: float = 1.0
     """nucleus sampling: keep the smallest set of tokens with this much probability"""
     max_tokens: int | None = None
-    """most tokens generated per response (None: 1024; lm-eval's default is 256); with --suite, None keeps each row's
-    lm-eval setting and a number caps every row (quick CPU runs, not comparable with the reference)"""
+    """most tokens generated per response (None: 1024; lm-eval's default is 256); with --suite, None
+    keeps each row's lm-eval setting and a number caps every row (quick CPU runs, not comparable
+    with the reference)"""
     # --- engine ---
     max_model_len: int | None = None
     """most tokens of prompt + response the engine accepts (None: the model's own limit)"""
@@ -120,47 +136,80 @@ class Args:
     """GPUs to shard the model over"""
     # --- or an OpenAI-compatible server (a hosted teacher, or `vllm serve` elsewhere) instead of a local engine ---
     api_base: str | None = None
-    """generate through the server at this URL (e.g. https://api.deepseek.com/v1, http://127.0.0.1:8000/v1)"""
+    """generate through the server at this URL (e.g. https://api.deepseek.com/v1,
+    http://127.0.0.1:8000/v1)"""
     api_model: str | None = None
     """the server's name of the model (required with --api-base)"""
     api_endpoint: str = "chat"
-    """chat: the prompt as a user message (a reasoning server's thinking goes in the template's think section);
-    completions: the rendered prompt as it is, as the local engine gets it"""
+    """chat: the prompt as a user message (a reasoning server's thinking goes in the template's
+    think section); completions: the rendered prompt as it is, as the local engine gets it"""
     api_key_env: str = "OPENAI_API_KEY"
-    """the environment variable that holds the key (unset: no key is sent); the key is never written anywhere"""
+    """the environment variable that holds the key (unset: no key is sent); the key is never written
+    anywhere"""
     concurrency: int = 4
     """requests in flight"""
     request_timeout: float = 600.0
     """seconds a request may take before it is retried"""
     max_retries: int = 5
-    """retries of a request (429, 5xx, timeouts, dropped connections, malformed answers) before its problem fails"""
+    """retries of a request (429, 5xx, timeouts, dropped connections, malformed answers) before its
+    problem fails"""
     resume: str | None = None
-    """a results folder of an --api-base run: keep its finished problems, ask again for the others"""
+    """a results folder of an --api-base run: keep its finished problems, ask again for the
+    others"""
     # --- output ---
     save_sft_pairs: str | None = None
-    """write every sample the verifier accepts (reward 1) to this JSONL file, as sft.py --sft-file reads it"""
+    """write every sample the verifier accepts (reward 1) to this JSONL file, as sft.py --sft-file
+    reads it"""
 
 
-# The baseline suite: Qwen3-1.7B-Base's lm-evaluation-harness results (%, vLLM, greedy) and our setting for each
-# (docs/eval.md, "Reference numbers": how each differs from lm-eval's). Row: (name, dataset, template, n_shot,
-# max_tokens, {metric: reference}).
+# The baseline suite: Qwen3-1.7B-Base's lm-evaluation-harness results (%, vLLM, greedy) and our
+# setting for each (docs/eval.md, "Reference numbers": how each differs from lm-eval's). Row: (name,
+# dataset, template, n_shot, max_tokens, {metric: reference}).
 SUITE = [
-    ("gsm8k_0shot", "gsm8k", "gsm8k_kshot", 0, 256, {"eval/flexible_accuracy": 14.71, "eval/strict_accuracy": 0.00}),
-    ("gsm8k_4shot", "gsm8k", "gsm8k_kshot", 4, 256, {"eval/flexible_accuracy": 67.48, "eval/strict_accuracy": 59.14}),
-    ("gsm8k_8shot", "gsm8k", "gsm8k_kshot", 8, 256, {"eval/flexible_accuracy": 69.60, "eval/strict_accuracy": 68.92}),
+    (
+        "gsm8k_0shot",
+        "gsm8k",
+        "gsm8k_kshot",
+        0,
+        256,
+        {"eval/flexible_accuracy": 14.71, "eval/strict_accuracy": 0.00},
+    ),
+    (
+        "gsm8k_4shot",
+        "gsm8k",
+        "gsm8k_kshot",
+        4,
+        256,
+        {"eval/flexible_accuracy": 67.48, "eval/strict_accuracy": 59.14},
+    ),
+    (
+        "gsm8k_8shot",
+        "gsm8k",
+        "gsm8k_kshot",
+        8,
+        256,
+        {"eval/flexible_accuracy": 69.60, "eval/strict_accuracy": 68.92},
+    ),
     ("math_4shot", "math", "hendrycks_math_kshot", 4, 256, {"eval/accuracy": 17.68}),
-    ("ifeval", "ifeval", "question", 0, 1280,
-     {"eval/prompt_level_strict_acc": 22.00, "eval/inst_level_strict_acc": 33.81}),
+    (
+        "ifeval",
+        "ifeval",
+        "question",
+        0,
+        1280,
+        {"eval/prompt_level_strict_acc": 22.00, "eval/inst_level_strict_acc": 33.81},
+    ),
     ("mbpp_3shot", "mbpp", "mbpp_kshot", 3, 256, {"eval/pass@1": 55.8}),
     ("humaneval_0shot", "humaneval", "humaneval", 0, 1024, {"eval/pass@1": 48.78}),
-]  # fmt: skip
+]
 
 
 # --- metrics: pure functions of the per-problem records ---
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al.
+    2021).
 
     Computed as 1 - prod_{i=n-c+1}^{n} (1 - k/i), which never forms the huge binomials.
     """
@@ -184,7 +233,8 @@ def majority_vote(answers: list[str | None]) -> str | None:
 
 
 def summarize(records: list[dict], ks: tuple[int, ...] = (1,)) -> dict:
-    """All metrics, from the per-problem records alone (each with "rewards": n reward dicts, see main)."""
+    """All metrics, from the per-problem records alone (each with "rewards": n reward dicts, see
+    main)."""
     rewards = [r for record in records for r in record["rewards"]]
     correct = [r["reward"] == 1.0 for r in rewards]
     formatted = [r["format_reward"] == 1.0 for r in rewards]
@@ -197,10 +247,15 @@ def summarize(records: list[dict], ks: tuple[int, ...] = (1,)) -> dict:
         "eval/n_correct": sum(correct),
         "eval/n_formatted_wrong": sum(f and not c for c, f in zip(correct, formatted, strict=True)),
         "eval/n_unformatted": sum(not f and not c for c, f in zip(correct, formatted, strict=True)),
-        "eval/truncated_rate": float(np.mean([f == "length" for rec in records for f in rec["finish_reasons"]])),
-        "eval/mean_response_tokens": float(np.mean([t for rec in records for t in rec["n_tokens"]])),
+        "eval/truncated_rate": float(
+            np.mean([f == "length" for rec in records for f in rec["finish_reasons"]])
+        ),
+        "eval/mean_response_tokens": float(
+            np.mean([t for rec in records for t in rec["n_tokens"]])
+        ),
     }
-    if all("strict" in r for r in rewards):  # IFEval: lm-eval's four numbers, then each instruction type's
+    # IFEval: lm-eval's four numbers, then each instruction type's
+    if all("strict" in r for r in rewards):
         metrics.update(ifeval_metrics(records))
         return metrics
     for k in ks:
@@ -210,13 +265,19 @@ def summarize(records: list[dict], ks: tuple[int, ...] = (1,)) -> dict:
             pass_k.append(pass_at_k(n, c, k))
             first_k = record["rewards"][:k]
             winner = majority_vote([r["extracted"] for r in first_k])
-            # Samples with equal `extracted` have equal rewards: the first with the winning answer speaks for all.
-            maj_k.append(winner is not None and next(r for r in first_k if r["extracted"] == winner)["reward"] == 1.0)
+            # Samples with equal `extracted` have equal rewards: the first with the winning answer
+            # speaks for all.
+            maj_k.append(
+                winner is not None
+                and next(r for r in first_k if r["extracted"] == winner)["reward"] == 1.0
+            )
         metrics[f"eval/pass@{k}"] = float(np.mean(pass_k))
         metrics[f"eval/maj@{k}"] = float(np.mean(maj_k))
     if all("flexible_reward" in r for r in rewards):  # GSM8K: the two lm-eval filters
         metrics["eval/strict_accuracy"] = metrics["eval/accuracy"]
-        metrics["eval/flexible_accuracy"] = float(np.mean([r["flexible_reward"] == 1.0 for r in rewards]))
+        metrics["eval/flexible_accuracy"] = float(
+            np.mean([r["flexible_reward"] == 1.0 for r in rewards])
+        )
     for key in ("level", "subject"):  # MATH, MATH-500: accuracy of the samples in each group
         groups = defaultdict(list)
         for record in records:
@@ -228,8 +289,9 @@ def summarize(records: list[dict], ks: tuple[int, ...] = (1,)) -> dict:
 
 
 def ifeval_metrics(records: list[dict]) -> dict:
-    """lm-eval's ifeval metrics over all samples: prompt level (all instructions followed) and instruction level
-    (each instruction counted once), strict and loose; then instruction-level accuracy per instruction type."""
+    """lm-eval's ifeval metrics over all samples: prompt level (all instructions followed) and
+    instruction level (each instruction counted once), strict and loose; then instruction-level
+    accuracy per instruction type."""
     metrics, by_type = {}, defaultdict(list)
     for mode in ("strict", "loose"):
         verdicts = [r[mode] for record in records for r in record["rewards"]]
@@ -238,7 +300,9 @@ def ifeval_metrics(records: list[dict]) -> dict:
     for record in records:
         for r in record["rewards"]:
             ids = record["answer"]["instruction_id_list"]
-            for instruction_id, verdicts in zip(ids, zip(r["strict"], r["loose"], strict=True), strict=True):
+            for instruction_id, verdicts in zip(
+                ids, zip(r["strict"], r["loose"], strict=True), strict=True
+            ):
                 by_type[instruction_id].append(verdicts)
     for instruction_id in sorted(by_type):
         strict, loose = np.mean(by_type[instruction_id], axis=0)
@@ -251,8 +315,12 @@ def format_table(metrics: dict) -> str:
     """One metric per line: counts as integers, rates as percentages."""
     lines, width = [], max(map(len, metrics)) + 1
     for key, value in metrics.items():
-        is_rate = isinstance(value, float) and not key.endswith("tokens") and not key.startswith("time/")
-        lines.append(f"{key:<{width}} {100 * value:8.2f}%" if is_rate else f"{key:<{width}} {value:9.6g}")
+        is_rate = (
+            isinstance(value, float) and not key.endswith("tokens") and not key.startswith("time/")
+        )
+        lines.append(
+            f"{key:<{width}} {100 * value:8.2f}%" if is_rate else f"{key:<{width}} {value:9.6g}"
+        )
     return "\n".join(lines)
 
 
@@ -263,50 +331,77 @@ def validate(args: Args) -> None:
     """Every error a typo can cause, raised before any data is downloaded or any engine starts."""
     if args.api_base and not args.api_model:
         raise ValueError("--api-base needs --api-model: the name the server gives the model")
-    if args.api_endpoint not in ("chat", "completions") or (args.resume and not args.api_base) or args.concurrency < 1:
-        raise ValueError(f"need --api-endpoint chat|completions, --resume only with --api-base, --concurrency >= 1; "
-                         f"got {args.api_endpoint!r}, {args.resume=}, {args.concurrency=}")  # fmt: skip
+    if (
+        args.api_endpoint not in ("chat", "completions")
+        or (args.resume and not args.api_base)
+        or args.concurrency < 1
+    ):
+        raise ValueError(
+            f"need --api-endpoint chat|completions, --resume only with --api-base, --concurrency >= 1; "
+            f"got {args.api_endpoint!r}, {args.resume=}, {args.concurrency=}"
+        )
     model = Path(args.model).expanduser()
-    # A hub name is "org/name"; anything that starts like a path, exists here, or has more parts is a local folder.
+    # A hub name is "org/name"; anything that starts like a path, exists here, or has more parts is
+    # a local folder.
     looks_local = args.model.startswith((".", "/", "~")) or Path(args.model.split("/")[0]).exists()
-    looks_local = (looks_local or args.model.count("/") > 1) and (not args.api_base or args.template == "chat")
+    looks_local = (looks_local or args.model.count("/") > 1) and (
+        not args.api_base or args.template == "chat"
+    )
     if looks_local and not (model / "config.json").is_file():
-        raise ValueError(f"model {args.model!r} looks like a local path, but {model / 'config.json'} does not exist")
+        raise ValueError(
+            f"model {args.model!r} looks like a local path, but {model / 'config.json'} does not exist"
+        )
     if args.dataset not in data.SPLITS:
         raise ValueError(f"unknown dataset {args.dataset!r}; choose from {list(data.SPLITS)}")
     if args.split not in data.SPLITS[args.dataset]:
-        raise ValueError(f"dataset {args.dataset!r} has no split {args.split!r}; it has {data.SPLITS[args.dataset]}")
+        raise ValueError(
+            f"dataset {args.dataset!r} has no split {args.split!r}; it has {data.SPLITS[args.dataset]}"
+        )
     if args.template not in data.TEMPLATES:
         raise ValueError(f"unknown template {args.template!r}; choose from {list(data.TEMPLATES)}")
-    for template, datasets in (("mbpp_kshot", ("mbpp", "mbpp_sanitized")), ("humaneval", ("humaneval",))):
+    for template, datasets in (
+        ("mbpp_kshot", ("mbpp", "mbpp_sanitized")),
+        ("humaneval", ("humaneval",)),
+    ):
         if (args.template == template) != (args.dataset in datasets):
             raise ValueError(f"template {args.template!r} does not fit dataset {args.dataset!r}")
     if args.template == "hendrycks_math_kshot" and (args.dataset, args.split) != ("math", "test"):
-        raise ValueError(f"template 'hendrycks_math_kshot' is for the math test split, not {args.dataset}/{args.split}")
+        raise ValueError(
+            f"template 'hendrycks_math_kshot' is for the math test split, not {args.dataset}/{args.split}"
+        )
     if args.n < 1 or args.n_shot < 0 or (args.limit is not None and args.limit < 1):
-        raise ValueError(f"need n >= 1, n_shot >= 0, limit >= 1; got n={args.n}, n_shot={args.n_shot}, {args.limit=}")
+        raise ValueError(
+            f"need n >= 1, n_shot >= 0, limit >= 1; got n={args.n}, n_shot={args.n_shot}, {args.limit=}"
+        )
     for k in args.k:
         if not 1 <= k <= args.n:
-            raise ValueError(f"k={k} must be between 1 and n={args.n} (pass@k and maj@k use k of the n samples)")
+            raise ValueError(
+                f"k={k} must be between 1 and n={args.n} (pass@k and maj@k use k of the n samples)"
+            )
     if args.n > 1 and args.temperature == 0:
-        raise ValueError(f"n={args.n} greedy samples would be {args.n} copies of one response; set --temperature")
+        raise ValueError(
+            f"n={args.n} greedy samples would be {args.n} copies of one response; set --temperature"
+        )
 
 
 def start_engine(args: Args):
-    """A vLLM engine in this process: bf16 on GPU; float32 without CUDA graphs on CPU (starts in seconds)."""
+    """A vLLM engine in this process: bf16 on GPU; float32 without CUDA graphs on CPU (starts in
+    seconds)."""
     import torch
 
     on_gpu = torch.cuda.is_available()
     # Read at engine start. In-process engine: deterministic, no worker processes to spawn.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if not on_gpu:  # otherwise the CPU engine claims half the machine's memory for its KV cache (GiB)
+    # otherwise the CPU engine claims half the machine's memory for its KV cache (GiB)
+    if not on_gpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     return LLM(
         model=args.model,
         dtype="bfloat16" if on_gpu else "float32",
-        enforce_eager=not on_gpu,  # CUDA graphs pay off on GPU; on CPU compiling costs ~1 min for nothing
+        # CUDA graphs pay off on GPU; on CPU compiling costs ~1 min for nothing
+        enforce_eager=not on_gpu,
         seed=args.seed,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -317,8 +412,12 @@ def start_engine(args: Args):
 def load_examples(args: Args) -> tuple[list[dict], list[list[dict] | None]]:
     """The problems, and for each problem its shots (None for a template without shots)."""
     examples = data.load(args.dataset, args.split, args.data_dir)[: args.limit]
-    per_question = {"gsm8k_kshot": data.gsm8k_lm_eval_fewshot, "hendrycks_math_kshot": data.math_fewshot}
-    if args.template in per_question and args.split == "test":  # lm-eval's test shots: drawn per question
+    per_question = {
+        "gsm8k_kshot": data.gsm8k_lm_eval_fewshot,
+        "hendrycks_math_kshot": data.math_fewshot,
+    }
+    # lm-eval's test shots: drawn per question
+    if args.template in per_question and args.split == "test":
         shots = per_question[args.template](args.n_shot, args.data_dir)
         return examples, [shots[ex["id"]] for ex in examples]
     fewshot = None
@@ -330,51 +429,67 @@ def load_examples(args: Args) -> tuple[list[dict], list[list[dict] | None]]:
 
 
 def hendrycks_math_score(response: str, example: dict) -> dict:
-    """The MATH reward for "hendrycks_math_kshot", whose answers come bare (" $\\frac{1}{2}$"). The answer is what
-    lm-eval's hendrycks_math reads: the text between the first and the last "$", else the whole response. Our MATH
-    verifier compares it with the gold (handed over in answer tags, which it reads first); lm-eval compares strings
-    after its own normalisation (docs/eval.md, "Reference numbers": where the two differ)."""
+    """The MATH reward for "hendrycks_math_kshot", whose answers come bare (" $\\frac{1}{2}$"). The
+    answer is what lm-eval's hendrycks_math reads: the text between the first and the last "$", else
+    the whole response. Our MATH verifier compares it with the gold (handed over in answer tags,
+    which it reads first); lm-eval compares strings after its own normalisation (docs/eval.md,
+    "Reference numbers": where the two differ)."""
     dollars = [i for i, char in enumerate(response) if char == "$"]
     span = response[dollars[0] + 1 : dollars[-1]] if len(dollars) > 1 else response
     return verifiers.score(f"<answer>{span}</answer>", example)
 
 
 def evaluate(llm, args: Args, examples: list[dict], shots: list) -> tuple[list[dict], dict]:
-    """Generate n responses per problem and score them: one record per problem, and the times taken."""
+    """Generate n responses per problem and score them: one record per problem, and the times
+    taken."""
     from vllm import SamplingParams
 
     tokenizer = llm.get_tokenizer()
-    prompts = [data.render_prompt(ex, args.template, tokenizer, s) for ex, s in zip(examples, shots, strict=True)]
+    prompts = [
+        data.render_prompt(ex, args.template, tokenizer, s)
+        for ex, s in zip(examples, shots, strict=True)
+    ]
     params = SamplingParams(
         n=args.n,
         temperature=args.temperature,
         top_p=args.top_p,
         max_tokens=args.max_tokens,
         stop=data.stop_strings(args.template),
-        include_stop_str_in_output=args.template == "r1_zero",  # keep "</answer>": the verifier needs the tag closed
+        # keep "</answer>": the verifier needs the tag closed
+        include_stop_str_in_output=args.template == "r1_zero",
     )
     start = time.time()
     outputs = llm.generate(prompts, params, use_tqdm=True)
     generate_s = time.time() - start
-    samples = [[(s.text, len(s.token_ids), s.finish_reason) for s in output.outputs] for output in outputs]
+    samples = [
+        [(s.text, len(s.token_ids), s.finish_reason) for s in output.outputs] for output in outputs
+    ]
     start = time.time()
     records = score_records(args, examples, prompts, samples)
     return records, {"time/generate_s": generate_s, "time/score_s": time.time() - start}
 
 
-def score_records(args: Args, examples: list[dict], prompts: list[str], samples: list[list[tuple]]) -> list[dict]:
-    """One record per problem from its n samples, (text, n_tokens, finish_reason) each, scored all in one batch
-    (programs run in a pool, one per core)."""
+def score_records(
+    args: Args, examples: list[dict], prompts: list[str], samples: list[list[tuple]]
+) -> list[dict]:
+    """One record per problem from its n samples, (text, n_tokens, finish_reason) each, scored all
+    in one batch (programs run in a pool, one per core)."""
     texts = [[text for text, _, _ in group] for group in samples]
-    flat_texts, flat_examples = [t for group in texts for t in group], [ex for ex in examples for _ in range(args.n)]
+    flat_texts, flat_examples = (
+        [t for group in texts for t in group],
+        [ex for ex in examples for _ in range(args.n)],
+    )
     if args.template == "hendrycks_math_kshot":
-        flat = [hendrycks_math_score(t, ex) for t, ex in zip(flat_texts, flat_examples, strict=True)]
+        flat = [
+            hendrycks_math_score(t, ex) for t, ex in zip(flat_texts, flat_examples, strict=True)
+        ]
     else:
         flat = verifiers.score_batch(flat_texts, flat_examples)
     records = []
     for i, (example, prompt, group) in enumerate(zip(examples, prompts, samples, strict=True)):
         record = {"id": example["id"], "prompt": prompt, "answer": example["answer"]}
-        record.update({key: example[key] for key in ("level", "subject") if key in example})  # MATH only
+        # MATH only
+        record.update({key: example[key] for key in ("level", "subject") if key in example})
         record["responses"] = texts[i]
         record["rewards"] = flat[i * args.n : (i + 1) * args.n]
         record["n_tokens"] = [n_tokens for _, n_tokens, _ in group]
@@ -387,19 +502,28 @@ def score_records(args: Args, examples: list[dict], prompts: list[str], samples:
 
 
 def check_server(args: Args, key: str | None) -> None:
-    """Before any request: the server answers, accepts the key (if it needs one) and serves the model."""
+    """Before any request: the server answers, accepts the key (if it needs one) and serves the
+    model."""
     try:
         response = httpx.get(f"{args.api_base.rstrip('/')}/models", headers=auth(key), timeout=30)
     except httpx.HTTPError as error:
         raise ValueError(f"cannot reach {args.api_base}: {type(error).__name__}: {error}") from None
     if response.status_code in (401, 403):
-        hint = f"check the key in ${args.api_key_env}" if key else f"it needs a key: set ${args.api_key_env}"
-        raise ValueError(f"{args.api_base} refused the request (HTTP {response.status_code}): {hint}")
+        hint = (
+            f"check the key in ${args.api_key_env}"
+            if key
+            else f"it needs a key: set ${args.api_key_env}"
+        )
+        raise ValueError(
+            f"{args.api_base} refused the request (HTTP {response.status_code}): {hint}"
+        )
     if response.status_code != 200:
         raise ValueError(f"{args.api_base}/models answered HTTP {response.status_code}")
     served = [model["id"] for model in response.json().get("data", [])]
     if args.api_model not in served:
-        raise ValueError(f"{args.api_base} does not serve {args.api_model!r} (HTTP 404 to come); it serves {served}")
+        raise ValueError(
+            f"{args.api_base} does not serve {args.api_model!r} (HTTP 404 to come); it serves {served}"
+        )
 
 
 def auth(key: str | None) -> dict:
@@ -407,10 +531,16 @@ def auth(key: str | None) -> dict:
 
 
 def request_body(args: Args, example: dict, prompt: str) -> tuple[str, dict]:
-    """The endpoint and JSON body of one sample's request. Chat: the server applies its chat template to one user
-    message (the "chat" template's message, or else the rendered prompt); completions: the prompt as it is."""
-    body = {"model": args.api_model, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "top_p": args.top_p, "stop": data.stop_strings(args.template)}  # fmt: skip
+    """The endpoint and JSON body of one sample's request. Chat: the server applies its chat
+    template to one user message (the "chat" template's message, or else the rendered prompt);
+    completions: the prompt as it is."""
+    body = {
+        "model": args.api_model,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "stop": data.stop_strings(args.template),
+    }
     if args.api_endpoint == "completions":
         return "/completions", {**body, "prompt": prompt}
     content = data.chat_message(example) if args.template == "chat" else prompt
@@ -418,35 +548,49 @@ def request_body(args: Args, example: dict, prompt: str) -> tuple[str, dict]:
 
 
 def parse_answer(answer: dict, template: str) -> tuple[str, int, str]:
-    """(text, completion tokens, finish_reason) of an answer, as the local engine would give them: a reasoning
-    server's thinking ("reasoning_content" in DeepSeek's API, "reasoning" in vLLM's) in the template's think section,
-    and r1_zero's "</answer>", after which the server stopped and which it leaves out, put back. KeyError, IndexError
-    or TypeError: a malformed answer."""
+    """(text, completion tokens, finish_reason) of an answer, as the local engine would give them: a
+    reasoning server's thinking ("reasoning_content" in DeepSeek's API, "reasoning" in vLLM's) in
+    the template's think section, and r1_zero's "</answer>", after which the server stopped and
+    which it leaves out, put back. KeyError, IndexError or TypeError: a malformed answer."""
     choice, finish = answer["choices"][0], answer["choices"][0]["finish_reason"]
     if "message" in choice:
-        text, thinking = choice["message"]["content"] or "", choice["message"].get("reasoning_content")
+        text, thinking = (
+            choice["message"]["content"] or "",
+            choice["message"].get("reasoning_content"),
+        )
         thinking = thinking or choice["message"].get("reasoning")
         if thinking:
             text = (
-                f" {thinking} </think> {text}" if template == "r1_zero" else f"<think>\n{thinking}\n</think>\n\n{text}"
+                f" {thinking} </think> {text}"
+                if template == "r1_zero"
+                else f"<think>\n{thinking}\n</think>\n\n{text}"
             )
     else:
         text = choice["text"]
-    if template == "r1_zero" and finish == "stop" and "<answer>" in text and "</answer>" not in text:
+    if (
+        template == "r1_zero"
+        and finish == "stop"
+        and "<answer>" in text
+        and "</answer>" not in text
+    ):
         text += "</answer>"
     return text, (answer.get("usage") or {}).get("completion_tokens", 0), finish
 
 
 async def ask(client: httpx.AsyncClient, path: str, body: dict, args: Args) -> tuple[tuple, dict]:
-    """One sample: (parse_answer's triple, usage). Retried with exponential backoff and jitter, or after the server's
-    Retry-After, on 429, 5xx, timeouts, dropped connections and malformed answers; another 4xx is final at once.
-    Raises RuntimeError with the last error once the retries run out."""
+    """One sample: (parse_answer's triple, usage). Retried with exponential backoff and jitter, or
+    after the server's Retry-After, on 429, 5xx, timeouts, dropped connections and malformed
+    answers; another 4xx is final at once. Raises RuntimeError with the last error once the retries
+    run out."""
     for attempt in range(args.max_retries + 1):
         wait = min(60.0, 0.5 * 2**attempt) * random.uniform(0.5, 1.5)
         try:
             response = await client.post(path, json=body)
             if response.status_code == 429 or response.status_code >= 500:
-                error, retry_after = f"HTTP {response.status_code}", response.headers.get("retry-after", "")
+                error, retry_after = (
+                    f"HTTP {response.status_code}",
+                    response.headers.get("retry-after", ""),
+                )
                 wait = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else wait
             elif response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
@@ -455,44 +599,62 @@ async def ask(client: httpx.AsyncClient, path: str, body: dict, args: Args) -> t
                 return parse_answer(answer, args.template), answer.get("usage") or {}
         except httpx.TransportError as exception:  # timeouts, refused or reset connections
             error = f"{type(exception).__name__}: {exception}"
-        except (ValueError, KeyError, IndexError, TypeError) as exception:  # not JSON, no choices, a missing field
+        # not JSON, no choices, a missing field
+        except (ValueError, KeyError, IndexError, TypeError) as exception:
             error = f"malformed answer: {type(exception).__name__}: {exception}"
         if attempt < args.max_retries:
             await asyncio.sleep(wait)
     raise RuntimeError(f"{args.max_retries + 1} attempts; the last: {error}")
 
 
-async def ask_all(args: Args, key: str | None, examples: list[dict], prompts: list[str], samples_file: Path) -> None:
-    """Every problem's n samples, --concurrency requests in flight; each problem scored and appended to samples_file
-    as it finishes, or appended as failed (with its last error) once a sample's retries ran out."""
+async def ask_all(
+    args: Args, key: str | None, examples: list[dict], prompts: list[str], samples_file: Path
+) -> None:
+    """Every problem's n samples, --concurrency requests in flight; each problem scored and appended
+    to samples_file as it finishes, or appended as failed (with its last error) once a sample's
+    retries ran out."""
     semaphore = asyncio.Semaphore(args.concurrency)
     headers, timeout = auth(key), httpx.Timeout(args.request_timeout)
-    async with httpx.AsyncClient(base_url=args.api_base.rstrip("/"), headers=headers, timeout=timeout) as client:
+    async with httpx.AsyncClient(
+        base_url=args.api_base.rstrip("/"), headers=headers, timeout=timeout
+    ) as client:
 
         async def sample(path: str, body: dict):
             async with semaphore:
                 return await ask(client, path, body, args)
 
         async def problem(example: dict, prompt: str) -> None:
-            results = await asyncio.gather(*[sample(*request_body(args, example, prompt)) for _ in range(args.n)],
-                                           return_exceptions=True)  # fmt: skip
+            results = await asyncio.gather(
+                *[sample(*request_body(args, example, prompt)) for _ in range(args.n)],
+                return_exceptions=True,
+            )
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:
-                record = {"id": example["id"], "prompt": prompt, "failed": str(failed[0]).replace(key or "\0", "***")}
-            else:
-                (record,) = await asyncio.to_thread(score_records, args, [example], [prompt], [[r[0] for r in results]])
-                record["usage"] = {
-                    k: sum(r[1].get(k, 0) for r in results) for k in ("prompt_tokens", "completion_tokens")
+                record = {
+                    "id": example["id"],
+                    "prompt": prompt,
+                    "failed": str(failed[0]).replace(key or "\0", "***"),
                 }
-            with open(samples_file, "a", encoding="utf-8") as f:  # one write per problem: a kill loses none written
+            else:
+                (record,) = await asyncio.to_thread(
+                    score_records, args, [example], [prompt], [[r[0] for r in results]]
+                )
+                record["usage"] = {
+                    k: sum(r[1].get(k, 0) for r in results)
+                    for k in ("prompt_tokens", "completion_tokens")
+                }
+            # one write per problem: a kill loses none written
+            with open(samples_file, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
-        await asyncio.gather(*[problem(example, prompt) for example, prompt in zip(examples, prompts, strict=True)])
+        await asyncio.gather(
+            *[problem(example, prompt) for example, prompt in zip(examples, prompts, strict=True)]
+        )
 
 
 def finished_records(samples_file: Path) -> list[dict]:
-    """The answered problems of an earlier run, each once; samples_file is rewritten with them alone (by rename), so
-    its failed problems and a line cut by a kill are asked again."""
+    """The answered problems of an earlier run, each once; samples_file is rewritten with them alone
+    (by rename), so its failed problems and a line cut by a kill are asked again."""
     lines = samples_file.read_text(encoding="utf-8").splitlines() if samples_file.exists() else []
     records = {}
     for i, line in enumerate(lines):
@@ -512,13 +674,17 @@ def finished_records(samples_file: Path) -> list[dict]:
     return list(records.values())
 
 
-def generate_through_server(args: Args, examples: list[dict], shots: list, run_dir: Path) -> tuple[list[dict], dict]:
-    """Ask the server for the problems run_dir's samples.jsonl does not hold yet; returns all records and metrics:
-    summarize's over the answered problems, the failed count, and the tokens the server counted (the bill)."""
+def generate_through_server(
+    args: Args, examples: list[dict], shots: list, run_dir: Path
+) -> tuple[list[dict], dict]:
+    """Ask the server for the problems run_dir's samples.jsonl does not hold yet; returns all
+    records and metrics: summarize's over the answered problems, the failed count, and the tokens
+    the server counted (the bill)."""
     key = os.environ.get(args.api_key_env) or None
     check_server(args, key)
     tokenizer = None
-    if args.template == "chat":  # the recorded prompt, for sft.py, in the student's (--model's) chat template
+    # the recorded prompt, for sft.py, in the student's (--model's) chat template
+    if args.template == "chat":
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -526,13 +692,18 @@ def generate_through_server(args: Args, examples: list[dict], shots: list, run_d
     done = {record["id"] for record in finished_records(run_dir / "samples.jsonl")}
     todo = [(ex, s) for ex, s in zip(examples, shots, strict=True) if ex["id"] not in done]
     prompts = [data.render_prompt(ex, args.template, tokenizer, s) for ex, s in todo]
-    print(f"{len(done)} problems answered before, {len(todo)} to ask {args.api_base} ({args.api_model}) for")
+    print(
+        f"{len(done)} problems answered before, {len(todo)} to ask {args.api_base} ({args.api_model}) for"
+    )
     start = time.time()
     asyncio.run(ask_all(args, key, [ex for ex, _ in todo], prompts, run_dir / "samples.jsonl"))
     lines = (run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()
     records = [r for r in map(json.loads, lines) if "failed" not in r]
-    metrics = {**(summarize(records, args.k) if records else {}), "eval/n_failed": len(lines) - len(records),
-               "time/generate_s": time.time() - start}  # fmt: skip
+    metrics = {
+        **(summarize(records, args.k) if records else {}),
+        "eval/n_failed": len(lines) - len(records),
+        "time/generate_s": time.time() - start,
+    }
     for kind in ("prompt_tokens", "completion_tokens"):
         metrics[f"usage/{kind}"] = sum(r["usage"][kind] for r in records)
     for record in map(json.loads, lines):
@@ -547,23 +718,31 @@ def write_results(run_dir: Path, args: Args, records: list[dict], metrics: dict)
     if not args.api_base:
         with open(run_dir / "samples.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-    (run_dir / "summary.json").write_text(json.dumps({"args": asdict(args), "metrics": metrics}, indent=2) + "\n")
+    (run_dir / "summary.json").write_text(
+        json.dumps({"args": asdict(args), "metrics": metrics}, indent=2) + "\n"
+    )
 
 
 def write_sft_pairs(path: str, records: list[dict], examples: list[dict]) -> int:
-    """Every sample the verifier accepts, a data.sft_row each (what sft.py --sft-file reads); returns their count."""
+    """Every sample the verifier accepts, a data.sft_row each (what sft.py --sft-file reads);
+    returns their count."""
     by_id, rows = {example["id"]: example for example in examples}, []
     for record in records:
         for response, reward in zip(record["responses"], record["rewards"], strict=True):
             if reward["reward"] == 1:
                 rows.append(data.sft_row(record["prompt"], response, by_id[record["id"]]))
-    Path(path).write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    Path(path).write_text(
+        "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8"
+    )
     return len(rows)
 
 
 def model_name(args: Args) -> str:
-    """The last 3 path parts, so a checkpoint keeps its run's name: "sft__1__1763700000_checkpoints_step_000200"."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", "_".join(Path(args.api_model or args.model).parts[-3:])).strip("_")
+    """The last 3 path parts, so a checkpoint keeps its run's name:
+    "sft__1__1763700000_checkpoints_step_000200"."""
+    return re.sub(
+        r"[^A-Za-z0-9._-]+", "_", "_".join(Path(args.api_model or args.model).parts[-3:])
+    ).strip("_")
 
 
 def main(args: Args) -> Path:
@@ -571,12 +750,15 @@ def main(args: Args) -> Path:
     if args.suite:
         return run_suite(args)
     args = replace(args, max_tokens=args.max_tokens or 1024)
-    # 1. Check the arguments and load the data, so a mistake fails in seconds and not after the engine started.
+    # 1. Check the arguments and load the data, so a mistake fails in seconds and not after the
+    # engine started.
     validate(args)
     examples, shots = load_examples(args)
 
     # 2. Generate n responses per problem (a local engine, or a server) and score them.
-    template = f"{args.template}{len(shots[0])}" if shots and shots[0] is not None else args.template
+    template = (
+        f"{args.template}{len(shots[0])}" if shots and shots[0] is not None else args.template
+    )
     name = f"{model_name(args)}__{args.dataset}_{args.split}__{template}__{int(time.time())}"
     run_dir = Path(args.resume) if args.resume else Path(args.out_dir) / name
     if args.api_base:
@@ -591,22 +773,36 @@ def main(args: Args) -> Path:
     # 3. Metrics, files, table.
     write_results(run_dir, args, records, metrics)
     if args.save_sft_pairs:
-        n_pairs = write_sft_pairs(args.save_sft_pairs, records, [{"dataset": args.dataset, **ex} for ex in examples])
-        print(f"wrote {n_pairs} samples the verifier accepts to {args.save_sft_pairs} (sft.py --sft-file)")
-    print(f"{args.api_model or args.model} on {args.dataset}/{args.split}, template {template}, n={args.n}, "
-          f"T={args.temperature}")  # fmt: skip
+        n_pairs = write_sft_pairs(
+            args.save_sft_pairs, records, [{"dataset": args.dataset, **ex} for ex in examples]
+        )
+        print(
+            f"wrote {n_pairs} samples the verifier accepts to {args.save_sft_pairs} (sft.py --sft-file)"
+        )
+    print(
+        f"{args.api_model or args.model} on {args.dataset}/{args.split}, template {template}, n={args.n}, "
+        f"T={args.temperature}"
+    )
     print(format_table(metrics))
     print(f"wrote {run_dir}/samples.jsonl and summary.json")
     return run_dir
 
 
 def run_suite(args: Args) -> Path:
-    """Every SUITE row with one engine: <out_dir>/<model>__suite__<time>/<row>/{samples.jsonl,summary.json}."""
+    """Every SUITE row with one engine:
+    <out_dir>/<model>__suite__<time>/<row>/{samples.jsonl,summary.json}."""
     rows = [
-        replace(args, suite=False, dataset=dataset, split="test", template=template, n_shot=n_shot,
-                max_tokens=args.max_tokens or max_tokens)
+        replace(
+            args,
+            suite=False,
+            dataset=dataset,
+            split="test",
+            template=template,
+            n_shot=n_shot,
+            max_tokens=args.max_tokens or max_tokens,
+        )
         for _, dataset, template, n_shot, max_tokens, _ in SUITE
-    ]  # fmt: skip
+    ]
     for row in rows:  # every mistake before the engine starts
         validate(row)
     loaded = [load_examples(row) for row in rows]
@@ -619,18 +815,33 @@ def run_suite(args: Args) -> Path:
         records, times = evaluate(llm, row, examples, shots)
         metrics = {**summarize(records, row.k), **times}
         write_results(suite_dir / name, row, records, metrics)
-        table += [(name, key, 100 * metrics[key], reference) for key, reference in references.items()]
-    (suite_dir / "suite.json").write_text(json.dumps({"args": asdict(args), "engine_start_s": engine_start_s,
-                                                      "table": table}, indent=2) + "\n")  # fmt: skip
-    print(f"{args.model}: the baseline suite, {'first ' + str(args.limit) if args.limit else 'all'} problems each")
+        table += [
+            (name, key, 100 * metrics[key], reference) for key, reference in references.items()
+        ]
+    (suite_dir / "suite.json").write_text(
+        json.dumps(
+            {"args": asdict(args), "engine_start_s": engine_start_s, "table": table}, indent=2
+        )
+        + "\n"
+    )
+    print(
+        f"{args.model}: the baseline suite, {'first ' + str(args.limit) if args.limit else 'all'} problems each"
+    )
     print(f"{'benchmark':<16} {'metric':<30} {'ours':>7} {'Qwen3-1.7B-Base (lm-eval)':>26}")
     for name, key, ours, reference in table:
         print(f"{name:<16} {key:<30} {ours:7.2f} {reference:26.2f}")
-    print(f"wrote {suite_dir}/<benchmark>/samples.jsonl and summary.json, and {suite_dir}/suite.json")
+    print(
+        f"wrote {suite_dir}/<benchmark>/samples.jsonl and summary.json, and {suite_dir}/suite.json"
+    )
     return suite_dir
 
 
 if __name__ == "__main__":
     results = main(tyro.cli(Args))
-    summary = json.loads((results / "summary.json").read_text()) if (results / "summary.json").exists() else {}
-    sys.exit(3 if summary.get("metrics", {}).get("eval/n_failed") else 0)  # 3: some problems failed (--api-base)
+    summary = (
+        json.loads((results / "summary.json").read_text())
+        if (results / "summary.json").exists()
+        else {}
+    )
+    # 3: some problems failed (--api-base)
+    sys.exit(3 if summary.get("metrics", {}).get("eval/n_failed") else 0)

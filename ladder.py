@@ -3,27 +3,34 @@
     python ladder.py              # about 11 minutes on 2 CPU cores; no GPU, no internet
     python ladder.py --seed 2     # the README's table has seeds 1, 2 and 3
 
-It runs the project's own scripts, each as a subprocess with the command line it prints first (copy one to rerun a
-stage alone), all inside one run folder, runs/ladder__<seed>__<unix time>/:
+It runs the project's own scripts, each as a subprocess with the command line it prints first (copy
+one to rerun a stage alone), all inside one run folder, runs/ladder__<seed>__<unix time>/:
 
-  1. tiny_model.py    a 4-layer Qwen3 (0.9M parameters) with random weights, and a tokenizer trained here
-     teacher traces   the synthetic train problems worked by a flawed teacher (data.flawed_teacher): it forgets
-                      to carry 70% of the time (17 + 5 = 12), so about half of its traces end in a wrong answer
-  2. sft.py           fine-tune the tiny model on those traces: it learns the arithmetic, and the flaw with it
-  3. expert_iter.py   from the sft checkpoint: sample, keep what the verifier accepts, fine-tune, repeat
+  1. tiny_model.py    a 4-layer Qwen3 (0.9M parameters) with random weights, and a tokenizer trained
+  here
+     teacher traces   the synthetic train problems worked by a flawed teacher (data.flawed_teacher):
+     it forgets
+                      to carry 70% of the time (17 + 5 = 12), so about half of its traces end in a
+                      wrong answer
+  2. sft.py           fine-tune the tiny model on those traces: it learns the arithmetic, and the
+  flaw with it
+  3. expert_iter.py   from the sft checkpoint: sample, keep what the verifier accepts, fine-tune,
+  repeat
   4. grpo.py          from the sft checkpoint: GRPO on the verifier's reward
   5. eval.py          every model above (the random one too) on the held-out synthetic test split
 
-Expert iteration and GRPO never see the teacher: they learn from the verifier, which knows the gold answers, and
-so can unlearn the teacher's flaw. The ladder ends with a table (accuracy of each stage, the share of carries it
-gets right, its wall time), ladder.json, and ladder.png: eval accuracy and rollout reward against step per stage.
-The stage settings below are the whole recipe; docs/ladder.md explains why each is what it is. A ladder that dies can
-be continued: `python ladder.py --resume runs/ladder__1__...` skips the stages that finished (each writes its result
-to ladder.json as it ends).
+Expert iteration and GRPO never see the teacher: they learn from the verifier, which knows the gold
+answers, and so can unlearn the teacher's flaw. The ladder ends with a table (accuracy of each
+stage, the share of carries it gets right, its wall time), ladder.json, and ladder.png: eval
+accuracy and rollout reward against step per stage. The stage settings below are the whole recipe;
+docs/ladder.md explains why each is what it is. A ladder that dies can be continued: `python
+ladder.py --resume runs/ladder__1__...` skips the stages that finished (each writes its result to
+ladder.json as it ends).
 
-Every stage runs with torch and oneDNN held to AVX2 code (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, printed in
-front of each command), so that an AVX-512 machine computes what an AVX2 one does and the README's numbers reproduce
-on either; `--no-pin-isa` lets them use the machine's widest instructions (docs/ladder.md, "Reproducibility").
+Every stage runs with torch and oneDNN held to AVX2 code (ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2, printed in front of each command), so that an AVX-512 machine computes what
+an AVX2 one does and the README's numbers reproduce on either; `--no-pin-isa` lets them use the
+machine's widest instructions (docs/ladder.md, "Reproducibility").
 """
 
 import json
@@ -54,7 +61,8 @@ class Args:
     forget_carry: float = 0.7
     """how often the teacher of the SFT traces forgets a carry (0: SFT on the gold solutions)"""
     sft_examples: int = 20000
-    """teacher traces sft.py trains on, one epoch in batches of 32 (20,000: the whole train split, 625 steps)"""
+    """teacher traces sft.py trains on, one epoch in batches of 32 (20,000: the whole train split,
+    625 steps)"""
     ei_steps: int = 10
     """expert-iteration steps"""
     grpo_steps: int = 60
@@ -62,64 +70,197 @@ class Args:
     n_test: int | None = None
     """evaluate on the first n_test test problems (None: all 512)"""
     pin_isa: bool = True
-    """run the stages with torch and oneDNN held to AVX2 kernels (PIN_ISA), as the README's numbers were made"""
+    """run the stages with torch and oneDNN held to AVX2 kernels (PIN_ISA), as the README's numbers
+    were made"""
     distill: bool = False
-    """also SFT on the gold solutions (a teacher that carries right) and distill it into the SFT checkpoint"""
+    """also SFT on the gold solutions (a teacher that carries right) and distill it into the SFT
+    checkpoint"""
 
 
 STAGES = ("base", "teacher", "sft", "expert_iter", "grpo", "gold_sft", "distill")
-LABELS = {"base": "base (random init)", "teacher": "teacher's traces (train split)", "sft": "SFT on the traces",
-          "expert_iter": "expert iteration from SFT", "grpo": "GRPO from SFT",
-          "gold_sft": "SFT on the gold solutions (distill's teacher)", "distill": "distillation from SFT"}  # fmt: skip
+LABELS = {
+    "base": "base (random init)",
+    "teacher": "teacher's traces (train split)",
+    "sft": "SFT on the traces",
+    "expert_iter": "expert iteration from SFT",
+    "grpo": "GRPO from SFT",
+    "gold_sft": "SFT on the gold solutions (distill's teacher)",
+    "distill": "distillation from SFT",
+}
 TRACES = "teacher_traces.jsonl"  # in the run folder: sft.py's --sft-file
 CARRY = re.compile(r"(-?\d+) \+ (\d+) = (-?\d+)\.")  # "17 + 5 = 22." in a worked solution
-SHARED = ["--dataset", "synthetic", "--template", "question"]  # every script: the same task and prompt
+# every script: the same task and prompt
+SHARED = ["--dataset", "synthetic", "--template", "question"]
 LENGTHS = ["--max-tokens", "64", "--eval-max-tokens", "64"]  # a 4-step solution is ~40 tokens
-# Floating-point kernels differ by instruction set, and a run that samples from its model amplifies the last bits:
-# the same seed's SFT stage ended at 15.0% unpinned on an AVX-512 + AMX machine, 29.7% on it pinned, 29.9% on AVX2.
-# Read by torch and oneDNN at start; an explicit value in the environment wins. vLLM's own kernels (attention, norms)
-# still follow the hardware: vllm/platforms/cpu.py, CpuPlatform.import_kernels loads _C_AVX2 only on an AVX2 CPU.
+# Floating-point kernels differ by instruction set, and a run that samples from its model amplifies
+# the last bits: the same seed's SFT stage ended at 15.0% unpinned on an AVX-512 + AMX machine,
+# 29.7% on it pinned, 29.9% on AVX2. Read by torch and oneDNN at start; an explicit value in the
+# environment wins. vLLM's own kernels (attention, norms) still follow the hardware:
+# vllm/platforms/cpu.py, CpuPlatform.import_kernels loads _C_AVX2 only on an AVX2 CPU.
 PIN_ISA = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
-def stage_commands(args: Args, run_dir: Path, sft_checkpoint: str, teacher: str = "") -> dict[str, list[str]]:
-    """The command line of every training stage. The checkpoints are only known once sft.py has run."""
+def stage_commands(
+    args: Args, run_dir: Path, sft_checkpoint: str, teacher: str = ""
+) -> dict[str, list[str]]:
+    """The command line of every training stage. The checkpoints are only known once sft.py has
+    run."""
     common = [*SHARED, "--seed", str(args.seed), "--output-dir", str(run_dir)]
-    sft = ["--batch-size", "32", "--microbatch-size", "32", "--lr", "3e-3", "--max-seq-len", "128", "--eval-every",
-           "125", "--n-eval", "256", "--eval-max-tokens", "64", "--save-every", "100000"]  # fmt: skip
+    sft = [
+        "--batch-size",
+        "32",
+        "--microbatch-size",
+        "32",
+        "--lr",
+        "3e-3",
+        "--max-seq-len",
+        "128",
+        "--eval-every",
+        "125",
+        "--n-eval",
+        "256",
+        "--eval-max-tokens",
+        "64",
+        "--save-every",
+        "100000",
+    ]
     return {
-        "tiny_model": ["tiny_model.py", "--out", str(run_dir / "base"), "--n-layers", str(args.n_layers),
-                       "--seed", str(args.seed)],
-        "sft": ["sft.py", "--model", str(run_dir / "base"), *common, "--sft-file", str(run_dir / TRACES),
-                "--n-examples", str(args.sft_examples), *sft],
-        "gold_sft": ["sft.py", "--model", str(run_dir / "base"), *common, "--exp-name", "gold_sft",
-                     "--n-examples", str(args.sft_examples), *sft],
-        "distill": ["distill.py", "--model", sft_checkpoint, "--teacher", teacher, *common,
-                    "--n-distill-steps", str(args.grpo_steps), "--rollout-batch-size", "256", "--group-size", "8",
-                    "--microbatch-size", "64", "--lr", "1e-4", "--warmup-steps", "5", *LENGTHS, "--n-eval", "256",
-                    "--eval-every", "10", "--save-every", "100000"],
-        "expert_iter": ["expert_iter.py", "--model", sft_checkpoint, *common, "--n-ei-steps", str(args.ei_steps),
-                        "--n-questions", "256", "--group-size", "4", *LENGTHS, "--lr", "1e-4", "--warmup-steps", "5",
-                        "--batch-size", "32", "--microbatch-size", "32", "--max-seq-len", "160", "--n-eval", "256"],
-        "grpo": ["grpo.py", "--model", sft_checkpoint, *common, "--n-grpo-steps", str(args.grpo_steps),
-                 "--rollout-batch-size", "256", "--group-size", "8", "--train-batch-size", "64",
-                 "--microbatch-size", "64", "--lr", "1e-4", "--warmup-steps", "5", "--lr-schedule", "cosine",
-                 *LENGTHS, "--n-eval", "256", "--eval-every", "10", "--save-every", "100000"],
-    }  # fmt: skip
+        "tiny_model": [
+            "tiny_model.py",
+            "--out",
+            str(run_dir / "base"),
+            "--n-layers",
+            str(args.n_layers),
+            "--seed",
+            str(args.seed),
+        ],
+        "sft": [
+            "sft.py",
+            "--model",
+            str(run_dir / "base"),
+            *common,
+            "--sft-file",
+            str(run_dir / TRACES),
+            "--n-examples",
+            str(args.sft_examples),
+            *sft,
+        ],
+        "gold_sft": [
+            "sft.py",
+            "--model",
+            str(run_dir / "base"),
+            *common,
+            "--exp-name",
+            "gold_sft",
+            "--n-examples",
+            str(args.sft_examples),
+            *sft,
+        ],
+        "distill": [
+            "distill.py",
+            "--model",
+            sft_checkpoint,
+            "--teacher",
+            teacher,
+            *common,
+            "--n-distill-steps",
+            str(args.grpo_steps),
+            "--rollout-batch-size",
+            "256",
+            "--group-size",
+            "8",
+            "--microbatch-size",
+            "64",
+            "--lr",
+            "1e-4",
+            "--warmup-steps",
+            "5",
+            *LENGTHS,
+            "--n-eval",
+            "256",
+            "--eval-every",
+            "10",
+            "--save-every",
+            "100000",
+        ],
+        "expert_iter": [
+            "expert_iter.py",
+            "--model",
+            sft_checkpoint,
+            *common,
+            "--n-ei-steps",
+            str(args.ei_steps),
+            "--n-questions",
+            "256",
+            "--group-size",
+            "4",
+            *LENGTHS,
+            "--lr",
+            "1e-4",
+            "--warmup-steps",
+            "5",
+            "--batch-size",
+            "32",
+            "--microbatch-size",
+            "32",
+            "--max-seq-len",
+            "160",
+            "--n-eval",
+            "256",
+        ],
+        "grpo": [
+            "grpo.py",
+            "--model",
+            sft_checkpoint,
+            *common,
+            "--n-grpo-steps",
+            str(args.grpo_steps),
+            "--rollout-batch-size",
+            "256",
+            "--group-size",
+            "8",
+            "--train-batch-size",
+            "64",
+            "--microbatch-size",
+            "64",
+            "--lr",
+            "1e-4",
+            "--warmup-steps",
+            "5",
+            "--lr-schedule",
+            "cosine",
+            *LENGTHS,
+            "--n-eval",
+            "256",
+            "--eval-every",
+            "10",
+            "--save-every",
+            "100000",
+        ],
+    }
 
 
 def write_teacher_traces(args: Args, run_dir: Path) -> tuple[float, float | None]:
-    """teacher_traces.jsonl, sft.py's --sft-file: the flawed teacher's worked solutions of the synthetic train split,
-    each row with the gold answer (so `sft.py --filter-correct` could drop the wrong ones). Returns the fraction of
-    traces whose final answer is right, and of their carries."""
+    """teacher_traces.jsonl, sft.py's --sft-file: the flawed teacher's worked solutions of the
+    synthetic train split, each row with the gold answer (so `sft.py --filter-correct` could drop
+    the wrong ones). Returns the fraction of traces whose final answer is right, and of their
+    carries."""
     rng = random.Random(args.seed)
     n_right, responses = 0, []
     with open(run_dir / TRACES, "w") as f:
         for example in data.load("synthetic", "train")[: args.sft_examples]:
             traced = data.flawed_teacher(example, args.forget_carry, rng)
             n_right += traced["answer"] == example["answer"]
-            prompt, response = data.render_prompt(traced, "question"), data.render_response(traced, "question")
-            row = {"prompt": prompt, "response": response, "answer": example["answer"], "verifier": "synthetic"}
+            prompt, response = (
+                data.render_prompt(traced, "question"),
+                data.render_response(traced, "question"),
+            )
+            row = {
+                "prompt": prompt,
+                "response": response,
+                "answer": example["answer"],
+                "verifier": "synthetic",
+            }
             f.write(json.dumps(row) + "\n")
             responses.append(response)
     return n_right / args.sft_examples, carries_right(responses)
@@ -131,29 +272,42 @@ def stage_env(args: Args) -> dict[str, str]:
 
 
 def machine() -> dict:
-    """What the numbers depend on: the CPU, its widest vector instructions, and the kernels torch chose."""
+    """What the numbers depend on: the CPU, its widest vector instructions, and the kernels torch
+    chose."""
     import torch
 
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M)
-    flags = set(re.search(r"^flags\s*:\s*(.*)$", cpuinfo, re.M).group(1).split()) if "flags" in cpuinfo else set()
+    flags = (
+        set(re.search(r"^flags\s*:\s*(.*)$", cpuinfo, re.M).group(1).split())
+        if "flags" in cpuinfo
+        else set()
+    )
     return {
         "cpu": model.group(1) if model else "unknown",
         "isa": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags],
         "n_cpus": os.cpu_count(),
-        "torch_kernels": torch.backends.cpu.get_cpu_capability(),  # of this process: stages may be pinned
+        # of this process: stages may be pinned
+        "torch_kernels": torch.backends.cpu.get_cpu_capability(),
     }
 
 
 def run(cmd: list[str], log: Path, env: dict[str, str]) -> float:
-    """Run `python <cmd>` from this folder with env added, echo and log its output; return its wall time. Raise if it
-    fails."""
+    """Run `python <cmd>` from this folder with env added, echo and log its output; return its wall
+    time. Raise if it fails."""
     print(f"\n$ {''.join(f'{k}={v} ' for k, v in env.items())}python {' '.join(cmd)}", flush=True)
     start = time.time()
-    with open(log, "w") as f, subprocess.Popen(
-        [sys.executable, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        cwd=Path(__file__).parent, env={**os.environ, **env},
-    ) as proc:  # fmt: skip
+    with (
+        open(log, "w") as f,
+        subprocess.Popen(
+            [sys.executable, *cmd],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=Path(__file__).parent,
+            env={**os.environ, **env},
+        ) as proc,
+    ):
         for line in proc.stdout:
             sys.stdout.write(line)
             f.write(line)
@@ -171,23 +325,43 @@ def find_one(pattern: str, folder: Path) -> Path:
 
 
 def carries_right(texts: list[str]) -> float | None:
-    """Of the additions that carry (data.carries: 17 + 5) written in texts, the fraction whose sum is right: the
-    teacher's flaw, measured. None if no text has one."""
+    """Of the additions that carry (data.carries: 17 + 5) written in texts, the fraction whose sum
+    is right: the teacher's flaw, measured. None if no text has one."""
     sums = [(int(a), int(x), int(total)) for text in texts for a, x, total in CARRY.findall(text)]
     right = [a + x == total for a, x, total in sums if data.carries(a, x)]
     return sum(right) / len(right) if right else None
 
 
-def evaluate(args: Args, model: Path, run_dir: Path, name: str) -> tuple[float, float | None, float]:
-    """Greedy accuracy of model on the synthetic test split (eval.py); returns (accuracy, carries right, wall time)."""
+def evaluate(
+    args: Args, model: Path, run_dir: Path, name: str
+) -> tuple[float, float | None, float]:
+    """Greedy accuracy of model on the synthetic test split (eval.py); returns (accuracy, carries
+    right, wall time)."""
     out = run_dir / "eval" / name
     limit = [] if args.n_test is None else ["--limit", str(args.n_test)]
-    cmd = ["eval.py", "--model", str(model), *SHARED, "--split", "test", *limit, "--max-tokens", "64",
-           "--out-dir", str(out)]  # fmt: skip
+    cmd = [
+        "eval.py",
+        "--model",
+        str(model),
+        *SHARED,
+        "--split",
+        "test",
+        *limit,
+        "--max-tokens",
+        "64",
+        "--out-dir",
+        str(out),
+    ]
     seconds = run(cmd, run_dir / f"eval_{name}.log", stage_env(args))
     summary = json.loads(find_one("*/summary.json", out).read_text())
-    samples = [json.loads(line) for line in find_one("*/samples.jsonl", out).read_text().splitlines()]
-    return summary["metrics"]["eval/accuracy"], carries_right([s["responses"][0] for s in samples]), seconds
+    samples = [
+        json.loads(line) for line in find_one("*/samples.jsonl", out).read_text().splitlines()
+    ]
+    return (
+        summary["metrics"]["eval/accuracy"],
+        carries_right([s["responses"][0] for s in samples]),
+        seconds,
+    )
 
 
 def read_metrics(run_folder: Path) -> list[dict]:
@@ -195,12 +369,17 @@ def read_metrics(run_folder: Path) -> list[dict]:
 
 
 def curves(run_dir: Path, stage: str) -> dict[str, list[tuple[int, float]]]:
-    """(step, value) series of a stage's metrics.jsonl: eval accuracy (greedy, val split) and rollout reward."""
+    """(step, value) series of a stage's metrics.jsonl: eval accuracy (greedy, val split) and
+    rollout reward."""
     records = read_metrics(find_one(f"{stage}__*", run_dir))
     reward_key = {"expert_iter": "rollout/accuracy", "grpo": "rollout/reward_mean"}.get(stage)
     return {
-        "eval accuracy (val, greedy)": [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r],
-        "rollout reward (train, sampled)": [(r["step"], r[reward_key]) for r in records if reward_key in r],
+        "eval accuracy (val, greedy)": [
+            (r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r
+        ],
+        "rollout reward (train, sampled)": [
+            (r["step"], r[reward_key]) for r in records if reward_key in r
+        ],
     }
 
 
@@ -217,7 +396,9 @@ def plot(run_dir: Path, results: dict) -> Path:
             if points:
                 steps, values = zip(*points, strict=True)
                 ax.plot(steps, values, marker="o", markersize=3, label=label)
-        ax.axhline(results["sft"]["accuracy"], color="gray", linestyle=":", label="SFT checkpoint (test)")
+        ax.axhline(
+            results["sft"]["accuracy"], color="gray", linestyle=":", label="SFT checkpoint (test)"
+        )
         ax.set_title(f"{stage}: test accuracy {results[stage]['accuracy']:.1%}")
         ax.set_xlabel(f"{stage} step")
         ax.grid(alpha=0.3)
@@ -234,20 +415,28 @@ def table(results: dict) -> str:
     for stage in [stage for stage in STAGES if stage in results]:
         r = results[stage]
         carries = "-" if r["carries_right"] is None else f"{r['carries_right']:.0%}"
-        rows.append(f"| {LABELS[stage]} | {r['accuracy']:.1%} | {carries} | {r['seconds'] / 60:.1f} min |")
+        rows.append(
+            f"| {LABELS[stage]} | {r['accuracy']:.1%} | {carries} | {r['seconds'] / 60:.1f} min |"
+        )
     total = sum(r["seconds"] for r in results.values())
     rows.append(f"| total | | | {total / 60:.1f} min |")
     return "\n".join(rows)
 
 
 def main(args: Args) -> dict:
-    run_dir = Path(args.resume or Path(args.output_dir) / f"ladder__{args.seed}__{int(time.time())}")
+    run_dir = Path(
+        args.resume or Path(args.output_dir) / f"ladder__{args.seed}__{int(time.time())}"
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     results_path = run_dir / "ladder.json"
     results, where = {}, {**machine(), "env": stage_env(args)}
-    if results_path.exists():  # a resumed ladder: its own settings, not this command line's defaults
+    # a resumed ladder: its own settings, not this command line's defaults
+    if results_path.exists():
         saved = json.loads(results_path.read_text())
-        args, results = Args(**{**saved["args"], "resume": args.resume, "distill": args.distill}), saved["results"]
+        args, results = (
+            Args(**{**saved["args"], "resume": args.resume, "distill": args.distill}),
+            saved["results"],
+        )
         where = saved.get("machine", where)
     print(f"machine: {where}", flush=True)
 
@@ -268,14 +457,22 @@ def main(args: Args) -> dict:
     for stage in ("sft", "expert_iter", "grpo", *(("gold_sft", "distill") if args.distill else ())):
         if stage not in results:
             if stage in ("expert_iter", "grpo", "distill"):  # they start from the SFT checkpoint
-                teacher = str(find_one("gold_sft__*/checkpoints/step_*", run_dir)) if stage == "distill" else ""
-                cmds = stage_commands(args, run_dir, str(find_one("sft__*/checkpoints/step_*", run_dir)), teacher)
+                teacher = (
+                    str(find_one("gold_sft__*/checkpoints/step_*", run_dir))
+                    if stage == "distill"
+                    else ""
+                )
+                cmds = stage_commands(
+                    args, run_dir, str(find_one("sft__*/checkpoints/step_*", run_dir)), teacher
+                )
             seconds = run(cmds[stage], run_dir / f"{stage}.log", stage_env(args))
             checkpoint = find_one(f"{stage}__*/checkpoints/step_*", run_dir)
             accuracy, carries, eval_seconds = evaluate(args, checkpoint, run_dir, stage)
             finish(stage, accuracy, carries, seconds + eval_seconds)
 
-    print(f"\nladder, seed {args.seed}; accuracy on the synthetic test split (greedy; the teacher's: train split)")
+    print(
+        f"\nladder, seed {args.seed}; accuracy on the synthetic test split (greedy; the teacher's: train split)"
+    )
     pins = " ".join(f"{k}={v}" for k, v in where["env"].items()) or "unpinned"
     print(f"{where['cpu']} ({' '.join(where['isa'])}), {pins}")
     print(table(results))
@@ -284,6 +481,8 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU: plenty for a tiny model
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in-process: faster start on CPU
+    # GiB of KV cache on CPU: plenty for a tiny model
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # the engine in-process: faster start on CPU
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     main(tyro.cli(Args))

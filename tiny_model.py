@@ -29,11 +29,9 @@ import data
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
 
-# Qwen2/Qwen3's pre-tokenizer split: every digit is its own piece, so numbers are read digit by digit,
-# which is what lets a small model learn arithmetic.
-QWEN_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+# Qwen2/Qwen3's pre-tokenizer split: every digit is its own piece, so numbers are read digit by
+# digit, which is what lets a small model learn arithmetic.
+QWEN_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -68,16 +66,22 @@ class Args:
 
 
 def tokenizer_corpus() -> list[str]:
-    """Text to train the BPE merges on: the synthetic task in every prompt template, plus the template words."""
+    """Text to train the BPE merges on: the synthetic task in every prompt template, plus the
+    template words."""
     texts = []
     for example in data.load("synthetic", "train")[:5000]:
-        texts.append(data.render_prompt(example, "r1_zero") + data.render_response(example, "r1_zero"))
-        texts.append(data.render_prompt(example, "question") + data.render_response(example, "question"))
+        texts.append(
+            data.render_prompt(example, "r1_zero") + data.render_response(example, "r1_zero")
+        )
+        texts.append(
+            data.render_prompt(example, "question") + data.render_response(example, "question")
+        )
     return texts
 
 
 def build_tokenizer(corpus: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE (any UTF-8 text can be encoded), Qwen's digit-by-digit split, Qwen's special tokens."""
+    """Byte-level BPE (any UTF-8 text can be encoded), Qwen's digit-by-digit split, Qwen's special
+    tokens."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [

@@ -1,59 +1,76 @@
-r"""Verifiers: turn a model's response into a reward, for GSM8K, MATH, the synthetic task and code (MBPP, HumanEval).
+r"""Verifiers: turn a model's response into a reward, for GSM8K, MATH, the synthetic task and code
+(MBPP, HumanEval).
 
     score(response, example) -> {"reward", "format_reward", "answer_reward", "extracted", ...}
 
 `response` is the generated text only (not the prompt); `example["verifier"]` picks the task and
-`example["answer"]` is the gold. The math checkers are pure and fast (tens of microseconds), so the trainer can
-call them inline; code runs in a sandbox (its section below; score_batch runs many programs at once). The returned keys:
+`example["answer"]` is the gold. The math checkers are pure and fast (tens of microseconds), so the
+trainer can call them inline; code runs in a sandbox (its section below; score_batch runs many
+programs at once). The returned keys:
 
-    extracted      the STRICT answer, normalized ("18", "-7/2", "\frac{\sqrt{3}}{3}") or None. Equal strings
+    extracted      the STRICT answer, normalized ("18", "-7/2", "\frac{\sqrt{3}}{3}") or None. Equal
+    strings
                    mean equal answers, so eval can majority-vote on it.
-    format_reward  1.0 iff extracted is not None: a strict marker was found AND its content is one answer
-                   (GSM8K, synthetic: one number; MATH: anything non-empty, as its answers can be any LaTeX).
-    answer_reward  1.0 iff extracted equals the gold.
-    reward         = answer_reward. No format bonus: a bonus is reward a policy can collect without solving
+    format_reward  1.0 iff extracted is not None: a strict marker was found AND its content is one
+    answer
+                   (GSM8K, synthetic: one number; MATH: anything non-empty, as its answers can be
+                   any LaTeX).
+    answer_reward  1.0 iff extracted equals the gold. reward         = answer_reward. No format
+    bonus: a bonus is reward a policy can collect without solving
                    anything. Add one in your fork if your model never finds the format.
-    gsm8k only:    flexible_reward, flexible_extracted (lm-eval's "flexible-extract": the last number anywhere).
-    code:          extracted is the program if it compiles (format_reward 1), reward 1 iff all its tests passed;
-                   plus status ("passed" | "failed" | "syntax_error" | "timeout") and output (its last characters).
+    gsm8k only:    flexible_reward, flexible_extracted (lm-eval's "flexible-extract": the last
+    number anywhere). code:          extracted is the program if it compiles (format_reward 1),
+    reward 1 iff all its tests passed;
+                   plus status ("passed" | "failed" | "syntax_error" | "timeout") and output (its
+                   last characters).
 
 Where the strict answer is, in this order (the first kind found is the only one looked at):
-  1. the LAST complete <answer>...</answer> pair. The closing tag is required, so a response cut off mid-answer
+  1. the LAST complete <answer>...</answer> pair. The closing tag is required, so a response cut off
+  mid-answer
      scores 0. If generation stops at "</answer>", keep it (vLLM: include_stop_str_in_output=True).
-  2. MATH only: the LAST \boxed{...} or \fbox{...} (braces may nest; an empty one is skipped). Before "####"
-     because chat models write markdown headings ("#### Step 2") and MATH solutions box their answer.
-  3. the rest of the line after the LAST "####" (GSM8K's own format; data.py's chat and k-shot templates use it
+  2. MATH only: the LAST \boxed{...} or \fbox{...} (braces may nest; an empty one is skipped).
+  Before "####"
+     because chat models write markdown headings ("#### Step 2") and MATH solutions box their
+     answer.
+  3. the rest of the line after the LAST "####" (GSM8K's own format; data.py's chat and k-shot
+  templates use it
      for every dataset). A \boxed{} inside an answer tag or after "####" is unwrapped.
 
-Several answers in one response: the LAST marker of the chosen kind is scored and nothing else. Spam buys
-nothing: "<answer>1</answer> ... <answer>100</answer>" (or "#### 1 ... #### 100") earns exactly what
-"<answer>100</answer>" alone earns, so listing candidates gives no extra chances. And the marker must hold ONE
-answer entirely: "18 or 19", "17, 18, 19" or "18 dollars" parse to nothing and score 0, so a policy cannot
-hedge inside one marker either. Last rather than first because the final answer comes after reasoning and
-self-correction, as in CS336's grader and the MATH solutions themselves (their gold is the last \boxed).
-lm-eval's strict-match takes the FIRST "####" and only the number right after it; the two agree when
-generation stops at "Question:" as in lm-eval (data.stop_strings).
+Several answers in one response: the LAST marker of the chosen kind is scored and nothing else. Spam
+buys nothing: "<answer>1</answer> ... <answer>100</answer>" (or "#### 1 ... #### 100") earns exactly
+what "<answer>100</answer>" alone earns, so listing candidates gives no extra chances. And the
+marker must hold ONE answer entirely: "18 or 19", "17, 18, 19" or "18 dollars" parse to nothing and
+score 0, so a policy cannot hedge inside one marker either. Last rather than first because the final
+answer comes after reasoning and self-correction, as in CS336's grader and the MATH solutions
+themselves (their gold is the last \boxed). lm-eval's strict-match takes the FIRST "####" and only
+the number right after it; the two agree when generation stops at "Question:" as in lm-eval
+(data.stop_strings).
 
-GSM8K and synthetic compare numbers exactly, as fractions.Fraction: 1.50 == 1.5, -0 == 0, but 0.30000001 != 0.3.
-  GSM8K accepts "1,234.5" (thousands commas), "$18" and "\$18", "18%" and "18\%" (the sign is dropped, not
-  divided by 100: GSM8K golds for "what percent" questions are the bare number), "\boxed{18}", "$-3$", a
-  trailing "." and the unicode minus "−". It rejects words, lists, "1,23" (bad grouping) and "1e3".
-  Synthetic accepts only an integer ("-7", "42"), which is what its prompt asks for.
-MATH normalizes both sides the Hendrycks/CS336 way (\dfrac -> \frac, \left( -> (, spaces, \!, units in
-  \text{ cm} / \mbox, ^\circ, \%, \$, "x = 5" -> "5", \frac12 -> \frac{1}{2}, .5 -> 0.5) and then compares:
-  equal strings; numbers exactly (\frac{1}{2} == 1/2 == 0.5, 137\frac{1}{2} == 275/2, 10,080 == 10080);
-  tuples and intervals element by element with the same brackets ((3,4] != (3,4)); matrices cell by cell;
-  sets \{..\} and bare lists "1,-2" in any order.
+GSM8K and synthetic compare numbers exactly, as fractions.Fraction: 1.50 == 1.5, -0 == 0, but
+0.30000001 != 0.3.
+  GSM8K accepts "1,234.5" (thousands commas), "$18" and "\$18", "18%" and "18\%" (the sign is
+  dropped, not divided by 100: GSM8K golds for "what percent" questions are the bare number),
+  "\boxed{18}", "$-3$", a trailing "." and the unicode minus "−". It rejects words, lists, "1,23"
+  (bad grouping) and "1e3". Synthetic accepts only an integer ("-7", "42"), which is what its prompt
+  asks for.
+MATH normalizes both sides the Hendrycks/CS336 way (\dfrac -> \frac, \left( -> (, spaces, \!, units
+in
+  \text{ cm} / \mbox, ^\circ, \%, \$, "x = 5" -> "5", \frac12 -> \frac{1}{2}, .5 -> 0.5) and then
+  compares: equal strings; numbers exactly (\frac{1}{2} == 1/2 == 0.5, 137\frac{1}{2} == 275/2,
+  10,080 == 10080); tuples and intervals element by element with the same brackets ((3,4] != (3,4));
+  matrices cell by cell; sets \{..\} and bare lists "1,-2" in any order.
 
 Deliberately not handled:
-  - symbolic equivalence: \frac{1}{\sqrt{3}} vs \frac{\sqrt{3}}{3}, \sqrt{117} vs 3\sqrt{13}, (x+1)^2 vs
-    x^2+2x+1 all score 0. math_verify 0.9 (sympy) accepts them, but we measured it and kept it out of the reward.
-    On MATH-500 both accept all 500 golds against themselves and about the same share of 1,949 mechanical
-    rewrites (\dfrac, a/b, decimals, "x = ", units, \left: 1944 here, 1941 math_verify), but math_verify takes
-    ~8 ms per call (up to 150 ms) against ~0.1 ms here, accepts wrong answers through float tolerance
-    (0.30000001 == 0.3, 0.333333 == 1/3), and its timeout is signal.alarm: whole seconds, main thread only
-    (ValueError elsewhere). With the timeout off, "\boxed{9^{9^{9^{9}}}}" ran for over 20 s and "2^{2^{40}}"
-    took 1 GB. If you need it, run it offline in eval, in a subprocess with a timeout.
+  - symbolic equivalence: \frac{1}{\sqrt{3}} vs \frac{\sqrt{3}}{3}, \sqrt{117} vs 3\sqrt{13},
+  (x+1)^2 vs
+    x^2+2x+1 all score 0. math_verify 0.9 (sympy) accepts them, but we measured it and kept it out
+    of the reward. On MATH-500 both accept all 500 golds against themselves and about the same share
+    of 1,949 mechanical rewrites (\dfrac, a/b, decimals, "x = ", units, \left: 1944 here, 1941
+    math_verify), but math_verify takes ~8 ms per call (up to 150 ms) against ~0.1 ms here, accepts
+    wrong answers through float tolerance (0.30000001 == 0.3, 0.333333 == 1/3), and its timeout is
+    signal.alarm: whole seconds, main thread only (ValueError elsewhere). With the timeout off,
+    "\boxed{9^{9^{9^{9}}}}" ran for over 20 s and "2^{2^{40}}" took 1 GB. If you need it, run it
+    offline in eval, in a subprocess with a timeout.
   - plain-word units ("10 inches"), "\boxed 5" without braces, answers longer than MAX_ANSWER_CHARS.
 """
 
@@ -73,7 +90,8 @@ from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal, localcontext
 from fractions import Fraction
 
-MAX_ANSWER_CHARS = 500  # a longer span is not one answer; the bound also caps the cost of parsing it
+# a longer span is not one answer; the bound also caps the cost of parsing it
+MAX_ANSWER_CHARS = 500
 
 # --- Finding the answer: plain str.rfind / str.find, linear in the response, no regex over the whole text ---
 
@@ -95,13 +113,15 @@ def extract_hash_answer(response: str) -> str | None:
 
 
 def last_boxed(text: str) -> str | None:
-    r"""Content of the last \boxed{...} or \fbox{...}, braces matched; None if absent or unbalanced."""
+    r"""Content of the last \boxed{...} or \fbox{...}, braces matched; None if absent or
+    unbalanced."""
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
     if start < 0:
         return None
     open_brace = text.index("{", start)
     depth = 0
-    # Scan at most MAX_ANSWER_CHARS: "\boxed{" followed by a megabyte of "{" must not cost a megabyte of work.
+    # Scan at most MAX_ANSWER_CHARS: "\boxed{" followed by a megabyte of "{" must not cost a
+    # megabyte of work.
     for i in range(open_brace, min(len(text), open_brace + MAX_ANSWER_CHARS)):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
@@ -110,10 +130,12 @@ def last_boxed(text: str) -> str | None:
 
 
 def extract_strict(response: str, boxed: bool = False) -> str | None:
-    r"""The raw strict answer span: last answer tag, else (boxed=True) last \boxed{}, else last "####" line."""
+    r"""The raw strict answer span: last answer tag, else (boxed=True) last \boxed{}, else last
+    "####" line."""
     span = extract_answer_tag(response)
     if span is None and boxed:
-        span = last_boxed(response) or None  # an empty \boxed{} is no answer: fall through to "####"
+        # an empty \boxed{} is no answer: fall through to "####"
+        span = last_boxed(response) or None
     if span is None:
         span = extract_hash_answer(response)
     if span is not None and ("\\boxed{" in span or "\\fbox{" in span):
@@ -123,26 +145,30 @@ def extract_strict(response: str, boxed: bool = False) -> str | None:
 
 # --- Numbers (GSM8K, synthetic) ---
 
-# Either thousands grouped by commas or plain digits, then an optional fraction: "1,234.5", "1234", ".5".
+# Either thousands grouped by commas or plain digits, then an optional fraction: "1,234.5", "1234",
+# ".5".
 _DECIMAL = re.compile(r"[-+]?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+|(?=\.[0-9]))(?:\.[0-9]+)?")
 
 
 def parse_number(text: str) -> Fraction | None:
-    r"""A number a grader would read in `text` ("$1,234.50", "\boxed{18}", "−3", "18%"), exactly, or None."""
+    r"""A number a grader would read in `text` ("$1,234.50", "\boxed{18}", "−3", "18%"), exactly, or
+    None."""
     s = text.strip().replace("\u2212", "-").replace("{,}", ",")
     if s.startswith("\\boxed{") and s.endswith("}"):
         s = s[len("\\boxed{") : -1].strip()
     for decoration in ("\\$", "$", "\\%", "%", "\\!"):
         s = s.replace(decoration, "")
     s = s.strip().removesuffix(".")
-    # fullmatch on [0-9] only: Python's \d and Fraction() also take Arabic-Indic digits, "1_000" and "1e999999".
+    # fullmatch on [0-9] only: Python's \d and Fraction() also take Arabic-Indic digits, "1_000" and
+    # "1e999999".
     if len(s) > MAX_ANSWER_CHARS or not _DECIMAL.fullmatch(s):
         return None
     return Fraction(s.replace(",", ""))
 
 
 def number_to_str(x: Fraction) -> str:
-    """Canonical text of a number, for `extracted`: "18", "-3.5", "0.0000672"; "1/3" where no decimal is exact."""
+    """Canonical text of a number, for `extracted`: "18", "-3.5", "0.0000672"; "1/3" where no
+    decimal is exact."""
     if x.denominator == 1:
         return str(x.numerator)
     with localcontext(prec=2 * MAX_ANSWER_CHARS):
@@ -169,31 +195,39 @@ def _result(extracted: str | None, correct: bool) -> dict:
 
 
 # lm-evaluation-harness, lm_eval/tasks/gsm8k/gsm8k.yaml (version 3.0), filter "flexible-extract":
-# regex_pattern "(-?[$0-9.,]{2,})|(-?[0-9]+)" with group_select -1 (the last match), then exact_match after
-# removing "," "$" and one trailing ".". (Its "strict-match" is "#### (\-?[0-9\.\,]+)", the first match.)
-# No nested quantifiers, so a megabyte of digits is one linear pass.
+# regex_pattern "(-?[$0-9.,]{2,})|(-?[0-9]+)" with group_select -1 (the last match), then
+# exact_match after removing "," "$" and one trailing ".". (Its "strict-match" is "####
+# (\-?[0-9\.\,]+)", the first match.) No nested quantifiers, so a megabyte of digits is one linear
+# pass.
 _FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 
 
 def extract_flexible(response: str) -> str | None:
-    """lm-eval's flexible-extract: the last number-like token anywhere in the response, cleaned as lm-eval does."""
+    """lm-eval's flexible-extract: the last number-like token anywhere in the response, cleaned as
+    lm-eval does."""
     matches = _FLEXIBLE.findall(response)
     if not matches:
         return None
-    token = next(group for group in matches[-1] if group)  # the alternative that matched, as lm-eval picks it
+    # the alternative that matched, as lm-eval picks it
+    token = next(group for group in matches[-1] if group)
     return token.replace(",", "").replace("$", "").strip().removesuffix(".")
 
 
 def gsm8k_reward(response: str, gold: str) -> dict:
-    """Strict: a number in the last answer tag, else after the last "####". Also lm-eval's flexible-extract."""
+    """Strict: a number in the last answer tag, else after the last "####". Also lm-eval's
+    flexible-extract."""
     gold_value = _parse_gold_number(gold)
     span = extract_strict(response)
     value = parse_number(span) if span is not None else None
     result = _result(number_to_str(value) if value is not None else None, value == gold_value)
     flexible = extract_flexible(response)
     flexible_value = parse_number(flexible) if flexible is not None else None
-    result["flexible_extracted"] = number_to_str(flexible_value) if flexible_value is not None else None
-    result["flexible_reward"] = 1.0 if flexible_value is not None and flexible_value == gold_value else 0.0
+    result["flexible_extracted"] = (
+        number_to_str(flexible_value) if flexible_value is not None else None
+    )
+    result["flexible_reward"] = (
+        1.0 if flexible_value is not None and flexible_value == gold_value else 0.0
+    )
     return result
 
 
@@ -209,31 +243,49 @@ def synthetic_reward(response: str, gold: str) -> dict:
 
 # --- MATH: normalize both sides, then compare structurally ---
 
-# A unit is \text{...} at the end with no digits in it: "5\text{ cm}^2" -> "5", but "18\text{ or 19}" stays.
+# A unit is \text{...} at the end with no digits in it: "5\text{ cm}^2" -> "5", but "18\text{ or
+# 19}" stays.
 _UNIT = re.compile(r"\\(?:text|textbf|mbox|mathrm)\{[^{}0-9]*\}(?:\^\{?[23]\}?)?$")
 _TEXT = re.compile(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}")
-_FRACTION = re.compile(r"(-?)(?:([0-9]+)\\frac|\\frac)\{(-?[0-9]+)\}\{(-?[0-9]+)\}")  # mixed: 137\frac{1}{2}
+# mixed: 137\frac{1}{2}
+_FRACTION = re.compile(r"(-?)(?:([0-9]+)\\frac|\\frac)\{(-?[0-9]+)\}\{(-?[0-9]+)\}")
 _SLASH = re.compile(r"-?[0-9]+/[0-9]+")
 _MATRIX = re.compile(r"\\begin\{[pbv]?matrix\}(.*)\\end\{[pbv]?matrix\}")
 
 
 def normalize_math_answer(answer: str) -> str:
-    r"""A canonical string for a LaTeX answer: "\left( 3, \dfrac{\pi}{2} \right)" -> "(3,\frac{\pi}{2})"."""
+    r"""A canonical string for a LaTeX answer: "\left( 3, \dfrac{\pi}{2} \right)" ->
+    "(3,\frac{\pi}{2})"."""
     s = answer.replace("\u2212", "-").replace("\\$", "")
-    for token in ("$", "\\(", "\\)", "\\[", "\\]", "\\!", "\\,", "\\;", "\\:", "\\left", "\\right", "\\displaystyle"):
+    for token in (
+        "$",
+        "\\(",
+        "\\)",
+        "\\[",
+        "\\]",
+        "\\!",
+        "\\,",
+        "\\;",
+        "\\:",
+        "\\left",
+        "\\right",
+        "\\displaystyle",
+    ):
         s = s.replace(token, "")
     for token in ("^{\\circ}", "^\\circ", "°", "\\%", "%"):
         s = s.replace(token, "")
     s = s.strip().removesuffix(".").strip()
     unit = _UNIT.search(s)
-    if unit and unit.start() > 0:  # "10\text{ inches}" -> "10", but "\text{Evelyn}" is the answer itself
+    # "10\text{ inches}" -> "10", but "\text{Evelyn}" is the answer itself
+    if unit and unit.start() > 0:
         s = s[: unit.start()]
     s = _TEXT.sub(r"\1", s)
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = re.sub(r"\s+", "", s)
     # "x=5" -> "5", "x\in[-2,7]" -> "[-2,7]"; an equation like "5x-7y+4=0" keeps its left side.
     s = re.sub(r"^[a-zA-Z](?:=(?!.*=)|\\in)", "", s)
-    # LaTeX shorthands: \frac12 -> \frac{1}{2}, \frac{270}7 -> \frac{270}{7}, \sqrt2 -> \sqrt{2}, x^{2} -> x^2.
+    # LaTeX shorthands: \frac12 -> \frac{1}{2}, \frac{270}7 -> \frac{270}{7}, \sqrt2 -> \sqrt{2},
+    # x^{2} -> x^2.
     s = re.sub(r"\\frac([0-9a-zA-Z])([0-9a-zA-Z])", r"\\frac{\1}{\2}", s)
     s = re.sub(r"\\frac([0-9a-zA-Z])\{", r"\\frac{\1}{", s)
     s = re.sub(r"\\frac\{([^{}]*)\}([0-9a-zA-Z])", r"\\frac{\1}{\2}", s)
@@ -245,7 +297,8 @@ def normalize_math_answer(answer: str) -> str:
 
 
 def math_number(s: str) -> Fraction | None:
-    r"""The exact value of a normalized answer that is a plain number ("0.5", "1/2", "-\frac{3}{2}", "10,080")."""
+    r"""The exact value of a normalized answer that is a plain number ("0.5", "1/2", "-\frac{3}{2}",
+    "10,080")."""
     if match := _FRACTION.fullmatch(s):
         sign, whole, numerator, denominator = match.groups()
         if int(denominator) == 0:
@@ -280,7 +333,8 @@ def _same_unordered(a: list[str], b: list[str]) -> bool:
 
 
 def math_equal_normalized(a: str, b: str) -> bool:
-    """Whether two normalized MATH answers are the same answer (see the module docstring for what counts)."""
+    """Whether two normalized MATH answers are the same answer (see the module docstring for what
+    counts)."""
     if not a or not b:
         return False
     if a == b:
@@ -292,7 +346,8 @@ def math_equal_normalized(a: str, b: str) -> bool:
     if matrix_a and matrix_b:
         rows_a, rows_b = matrix_a.group(1).split("\\\\"), matrix_b.group(1).split("\\\\")
         return len(rows_a) == len(rows_b) and all(
-            len(ra.split("&")) == len(rb.split("&")) and all(map(math_equal_normalized, ra.split("&"), rb.split("&")))
+            len(ra.split("&")) == len(rb.split("&"))
+            and all(map(math_equal_normalized, ra.split("&"), rb.split("&")))
             for ra, rb in zip(rows_a, rows_b, strict=True)
         )
     # Tuples and intervals: the same brackets on both sides, elements in order. "(3,4]" != "(3,4)".
@@ -308,13 +363,15 @@ def math_equal_normalized(a: str, b: str) -> bool:
 
 
 def canonical_math(normalized: str) -> str:
-    r"""`extracted` for MATH: the exact number if it is one (so 0.5 and \frac{1}{2} vote together), else the string."""
+    r"""`extracted` for MATH: the exact number if it is one (so 0.5 and \frac{1}{2} vote together),
+    else the string."""
     value = math_number(normalized)
     return number_to_str(value) if value is not None else normalized
 
 
 def math_reward(response: str, gold: str) -> dict:
-    r"""Strict: the last answer tag, else the last \boxed{}, else the last "####" line; compared as above."""
+    r"""Strict: the last answer tag, else the last \boxed{}, else the last "####" line; compared as
+    above."""
     gold_normalized = normalize_math_answer(gold)
     if not gold_normalized:
         raise ValueError(f"gold answer {gold[:100]!r} is empty")
@@ -325,23 +382,29 @@ def math_reward(response: str, gold: str) -> dict:
 
 
 # --- Code (MBPP, HumanEval): the program and its tests run in another process, under limits ---
-#
-# Unlike the checkers above this runs untrusted code: never in our process, never without limits (docs/tasks.md, "The
-# sandbox", says what it guards against and what not). A program scores 1 only if the harness prints a
-# random token, fresh per call and never in the program's sight, after the last test ran, AND the process exits 0:
-# sys.exit(0), os._exit(0), raise SystemExit or printing a success line before the tests end all score 0.
+#  Unlike the checkers above this runs untrusted code: never in our process, never without limits
+# (docs/tasks.md, "The sandbox", says what it guards against and what not). A program scores 1 only
+# if the harness prints a random token, fresh per call and never in the program's sight, after the
+# last test ran, AND the process exits 0: sys.exit(0), os._exit(0), raise SystemExit or printing a
+# success line before the tests end all score 0.
 
 CODE_TIMEOUT_S = 5.0  # wall clock per program, then its whole process group is killed
-CODE_MEMORY_BYTES = 2 << 30  # address space (RLIMIT_AS): a memory hog gets MemoryError, not the machine's RAM
+# address space (RLIMIT_AS): a memory hog gets MemoryError, not the machine's RAM
+CODE_MEMORY_BYTES = 2 << 30
 CODE_FILE_BYTES = 4 << 20  # largest file it may write, its captured output included (RLIMIT_FSIZE)
-CODE_N_PROCESSES = 16  # processes it may start on top of those its user runs (RLIMIT_NPROC): stops a fork bomb
+# processes it may start on top of those its user runs (RLIMIT_NPROC): stops a fork bomb
+CODE_N_PROCESSES = 16
 CODE_OUTPUT_CHARS = 2000  # tail of its output kept in the result, for reading tracebacks
-SANDBOX_USER = 65534  # "nobody": started by root, programs run as this user, so our files and processes are not theirs
-# A system interpreter (standard library only, readable by nobody); our venv's packages stay out of reach.
+# "nobody": started by root, programs run as this user, so our files and processes are not theirs
+SANDBOX_USER = 65534
+# A system interpreter (standard library only, readable by nobody); our venv's packages stay out of
+# reach.
 SANDBOX_PYTHON = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or sys.executable
-BWRAP = shutil.which("bwrap")  # bubblewrap: namespaces with no network, a read-only root, a private /tmp
+# bubblewrap: namespaces with no network, a read-only root, a private /tmp
+BWRAP = shutil.which("bwrap")
 
-# Runs as `python -I -u -c _HARNESS ARGS` in the work folder, which holds program.py (the program + its tests).
+# Runs as `python -I -u -c _HARNESS ARGS` in the work folder, which holds program.py (the program +
+# its tests).
 _HARNESS = r"""
 import ctypes, os, resource, sys, traceback
 def main(token_fd, cpu_s, memory, file_bytes, n_processes):
@@ -378,19 +441,34 @@ main(*map(int, sys.argv[1:]))
 
 @functools.cache
 def bwrap_usable(bwrap: str | None) -> bool:
-    """Whether bwrap is installed AND may create namespaces here (a container's seccomp profile may forbid it)."""
+    """Whether bwrap is installed AND may create namespaces here (a container's seccomp profile may
+    forbid it)."""
     if bwrap is None:
         return False
     user = SANDBOX_USER if os.getuid() == 0 else None
-    probe = [bwrap, "--unshare-all", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "true"]
+    probe = [
+        bwrap,
+        "--unshare-all",
+        "--ro-bind",
+        "/",
+        "/",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "true",
+    ]
     return (
-        subprocess.run(probe, capture_output=True, user=user, group=user, extra_groups=[] if user else None).returncode
+        subprocess.run(
+            probe, capture_output=True, user=user, group=user, extra_groups=[] if user else None
+        ).returncode
         == 0
     )
 
 
 def fenced_code(text: str) -> str | None:
-    """The first ``` block (any language tag or none); an unclosed fence runs to the end of the text; else None."""
+    """The first ``` block (any language tag or none); an unclosed fence runs to the end of the
+    text; else None."""
     match = re.search(r"```[^\n`]*\n(.*?)```", text, flags=re.DOTALL)
     if match:
         return match.group(1)
@@ -399,27 +477,31 @@ def fenced_code(text: str) -> str | None:
         return None
     tag_end = text.find("\n", start)
     before, after = text[:start], text[tag_end + 1 :] if tag_end >= 0 else ""
-    return after if after.strip() or not before.strip() else before  # a lone closing fence ends the code
+    # a lone closing fence ends the code
+    return after if after.strip() or not before.strip() else before
 
 
 def code_program(response: str, example: dict) -> str:
-    """The program a response stands for: text up to "[DONE]" (lm-eval's MBPP stop); its first ``` block if it has
-    one, else the text up to the first example["completion_stop"]; after example["code_prompt"] (HumanEval's
-    signature and docstring, which a completion continues). Trainers keep stop strings in the text; this cuts them."""
+    """The program a response stands for: text up to "[DONE]" (lm-eval's MBPP stop); its first ```
+    block if it has one, else the text up to the first example["completion_stop"]; after
+    example["code_prompt"] (HumanEval's signature and docstring, which a completion continues).
+    Trainers keep stop strings in the text; this cuts them."""
     text = response.split("[DONE]", 1)[0]
     block = fenced_code(text)
     prefix = example.get("code_prompt", "")
     if block is None:
         stops = [i for i in map(text.find, example.get("completion_stop", [])) if i >= 0]
         return prefix + text[: min(stops, default=len(text))]  # as if generation had stopped there
-    return prefix + "\n" + block if prefix else block  # a block redefines the function; the prompt keeps its imports
+    # a block redefines the function; the prompt keeps its imports
+    return prefix + "\n" + block if prefix else block
 
 
 def run_program(source: str, timeout_s: float = CODE_TIMEOUT_S, bwrap: bool | None = None) -> dict:
-    """Run `source` (a program and its tests) in a sandbox: {"passed", "status", "returncode", "output", "time_s"}.
+    """Run `source` (a program and its tests) in a sandbox: {"passed", "status", "returncode",
+    "output", "time_s"}.
 
-    status: "passed" | "failed" (an exception, a failed assert, a kill, an early exit) | "syntax_error" | "timeout".
-    bwrap=None uses bubblewrap where it is installed and works.
+    status: "passed" | "failed" (an exception, a failed assert, a kill, an early exit) |
+    "syntax_error" | "timeout". bwrap=None uses bubblewrap where it is installed and works.
     """
     use_bwrap = bwrap_usable(BWRAP) if bwrap is None else bwrap
     token, start = secrets.token_hex(16), time.perf_counter()
@@ -430,31 +512,61 @@ def run_program(source: str, timeout_s: float = CODE_TIMEOUT_S, bwrap: bool | No
         with open(program, "w", encoding="utf-8") as f:
             f.write(source)
         if as_root:
-            os.chown(work, SANDBOX_USER, SANDBOX_USER)  # nobody reads program.py and (without bwrap) writes here
-        token_read, token_write = os.pipe()  # the token reaches the harness through a pipe: no file, no env, no argv
+            # nobody reads program.py and (without bwrap) writes here
+            os.chown(work, SANDBOX_USER, SANDBOX_USER)
+        # the token reaches the harness through a pipe: no file, no env, no argv
+        token_read, token_write = os.pipe()
         os.write(token_write, token.encode())
         os.close(token_write)
         limits = [int(timeout_s) + 1, CODE_MEMORY_BYTES, CODE_FILE_BYTES, CODE_N_PROCESSES]
         command = [SANDBOX_PYTHON, "-I", "-u", "-c", _HARNESS, str(token_read), *map(str, limits)]
         if use_bwrap:
-            sandbox = ["--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", "/", "/", "--dev", "/dev",
-                       "--proc", "/proc", "--size", str(64 << 20), "--tmpfs", "/tmp",
-                       "--ro-bind", program, "/tmp/program.py", "--chdir", "/tmp"]  # fmt: skip
+            sandbox = [
+                "--unshare-all",
+                "--die-with-parent",
+                "--new-session",
+                "--ro-bind",
+                "/",
+                "/",
+                "--dev",
+                "/dev",
+                "--proc",
+                "/proc",
+                "--size",
+                str(64 << 20),
+                "--tmpfs",
+                "/tmp",
+                "--ro-bind",
+                program,
+                "/tmp/program.py",
+                "--chdir",
+                "/tmp",
+            ]
             command = [BWRAP, *sandbox, *command]
-        user = SANDBOX_USER if use_bwrap and as_root else None  # without bwrap the harness drops to nobody itself
+        # without bwrap the harness drops to nobody itself
+        user = SANDBOX_USER if use_bwrap and as_root else None
         with open(os.path.join(work, "output"), "w+b") as output:
             process = subprocess.Popen(
-                command, cwd=work, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-                env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}, pass_fds=(token_read,),
-                start_new_session=True, user=user, group=user, extra_groups=[] if user else None,
-            )  # fmt: skip
+                command,
+                cwd=work,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                env={"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"},
+                pass_fds=(token_read,),
+                start_new_session=True,
+                user=user,
+                group=user,
+                extra_groups=[] if user else None,
+            )
             os.close(token_read)
             try:
                 returncode = process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 returncode = None
             finally:
-                with contextlib.suppress(ProcessLookupError):  # its children too, even after it exited
+                # its children too, even after it exited
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
             output.seek(max(0, output.seek(0, os.SEEK_END) - 4 * CODE_OUTPUT_CHARS))
@@ -463,15 +575,29 @@ def run_program(source: str, timeout_s: float = CODE_TIMEOUT_S, bwrap: bool | No
         shutil.rmtree(work, ignore_errors=True)
     passed = returncode == 0 and tail.endswith(f"\n{token}\n".encode())
     status = (
-        "passed" if passed else "timeout" if returncode is None else "syntax_error" if returncode == 3 else "failed"
+        "passed"
+        if passed
+        else "timeout"
+        if returncode is None
+        else "syntax_error"
+        if returncode == 3
+        else "failed"
     )
     text = tail.decode("utf-8", errors="replace").replace(token, "")[-CODE_OUTPUT_CHARS:]
-    return {"passed": passed, "status": status, "returncode": returncode, "output": text,
-            "time_s": time.perf_counter() - start}  # fmt: skip
+    return {
+        "passed": passed,
+        "status": status,
+        "returncode": returncode,
+        "output": text,
+        "time_s": time.perf_counter() - start,
+    }
 
 
-def run_programs(sources: list[str], timeout_s: float = CODE_TIMEOUT_S, n_workers: int | None = None) -> list[dict]:
-    """run_program on many sources at once: threads that each wait on one process, one per core by default."""
+def run_programs(
+    sources: list[str], timeout_s: float = CODE_TIMEOUT_S, n_workers: int | None = None
+) -> list[dict]:
+    """run_program on many sources at once: threads that each wait on one process, one per core by
+    default."""
     with ThreadPoolExecutor(n_workers or os.cpu_count()) as pool:
         return list(pool.map(lambda source: run_program(source, timeout_s), sources))
 
@@ -484,29 +610,34 @@ def _code_result(program: str, run: dict) -> dict:
 
 
 # --- IFEval (Zhou et al. 2023): does the response follow the prompt's verifiable instructions? ---
-# One small function per instruction type, (response, kwargs) -> bool, each a transcription of check_following in
-# lm-evaluation-harness 0.4.13, lm_eval/tasks/ifeval/instructions.py (itself Google's original). Regexes are kept as
-# the reference writes them, unescaped keywords included, because parity is the point (tests/test_ifeval.py).
-# Four places differ, all because the reference cannot run offline or deterministically:
-#   number_sentences         the reference counts with nltk's punkt model (downloaded at run time). Ours:
-#                            ifeval_sentences, a regex that ends a sentence at . ! or ? before a space. It counts
-#                            "Dr. Smith" or "e.g. this" as two sentences where punkt knows the abbreviation.
-#   capital_word_frequency   the reference tokenizes with nltk.word_tokenize (punkt, then Treebank rules). Ours:
-#                            ifeval_capital_words, words split as Treebank splits them, without punkt or nltk.
-#   language, english_*      langdetect, as the reference, but seeded (DetectorFactory.seed = 0): unseeded, "NO WAY"
-#                            came back Polish or Slovenian at random. langdetect==1.0.9 is needed for these three.
-#   letter_frequency         a "letter" outside a-z (IFEval prompt 1122 asks for 4 "#"): the reference checks a letter
-#                            drawn by random.choice instead; we count the character asked for.
+# One small function per instruction type, (response, kwargs) -> bool, each a transcription of
+# check_following in lm-evaluation-harness 0.4.13, lm_eval/tasks/ifeval/instructions.py (itself
+# Google's original). Regexes are kept as the reference writes them, unescaped keywords included,
+# because parity is the point (tests/test_ifeval.py). Four places differ, all because the reference
+# cannot run offline or deterministically: number_sentences         the reference counts with nltk's
+# punkt model (downloaded at run time). Ours: ifeval_sentences, a regex that ends a sentence at . !
+# or ? before a space. It counts "Dr. Smith" or "e.g. this" as two sentences where punkt knows the
+# abbreviation. capital_word_frequency   the reference tokenizes with nltk.word_tokenize (punkt,
+# then Treebank rules). Ours: ifeval_capital_words, words split as Treebank splits them, without
+# punkt or nltk. language, english_*      langdetect, as the reference, but seeded
+# (DetectorFactory.seed = 0): unseeded, "NO WAY" came back Polish or Slovenian at random.
+# langdetect==1.0.9 is needed for these three. letter_frequency         a "letter" outside a-z
+# (IFEval prompt 1122 asks for 4 "#"): the reference checks a letter drawn by random.choice instead;
+# we count the character asked for.
 
 IFEVAL_RESPONSE_OPTIONS = ("My answer is yes.", "My answer is no.", "My answer is maybe.")
 
 
-@functools.lru_cache(maxsize=4096)  # strict and loose checks of one prompt ask about the same texts; ~7 ms a call
+# strict and loose checks of one prompt ask about the same texts; ~7 ms a call
+@functools.lru_cache(maxsize=4096)
 def ifeval_language(text: str) -> str | None:
-    """langdetect's language code for text ("en", "sw"), the same on every call; None if it finds no features."""
-    from langdetect import DetectorFactory, LangDetectException, detect  # imported here: only 3 types need it
+    """langdetect's language code for text ("en", "sw"), the same on every call; None if it finds no
+    features."""
+    # imported here: only 3 types need it
+    from langdetect import DetectorFactory, LangDetectException, detect
 
-    DetectorFactory.seed = 0  # each detect() draws from a Random seeded with this; None would mean a fresh seed
+    # each detect() draws from a Random seeded with this; None would mean a fresh seed
+    DetectorFactory.seed = 0
     try:
         return detect(text)
     except LangDetectException:
@@ -514,16 +645,21 @@ def ifeval_language(text: str) -> str | None:
 
 
 def ifeval_sentences(text: str) -> int:
-    """Sentences: pieces ending in . ! or ? (and closing quotes or brackets) before whitespace, or the text's end."""
+    """Sentences: pieces ending in . ! or ? (and closing quotes or brackets) before whitespace, or
+    the text's end."""
     return sum(bool(piece.strip()) for piece in re.split(r"(?<=[.!?])[\"'”’)\]]*\s+", text))
 
 
-# Treebank splits these endings off a word: "DON'T" -> DO + N'T, "I'M" -> I + 'M, "CANNOT" -> CAN + NOT.
-_TREEBANK_SPLIT = re.compile(r"(?i)(.+?)('s|'m|'d|'ll|'re|'ve|n't)|(can)(not)|(gim|lem)(me)|(gon|wan)(na)|(got)(ta)")
+# Treebank splits these endings off a word: "DON'T" -> DO + N'T, "I'M" -> I + 'M, "CANNOT" -> CAN +
+# NOT.
+_TREEBANK_SPLIT = re.compile(
+    r"(?i)(.+?)('s|'m|'d|'ll|'re|'ve|n't)|(can)(not)|(gim|lem)(me)|(gon|wan)(na)|(got)(ta)"
+)
 
 
 def ifeval_capital_words(text: str) -> int:
-    """Words in all capitals, as many as nltk.word_tokenize finds (a word joins letters by - . / + = and ')."""
+    """Words in all capitals, as many as nltk.word_tokenize finds (a word joins letters by - . / + =
+    and ')."""
     n = 0
     for word in re.findall(r"\w+(?:[-./+=']\w+)*", text):
         split = _TREEBANK_SPLIT.fullmatch(word)
@@ -532,13 +668,19 @@ def ifeval_capital_words(text: str) -> int:
 
 
 def _compare(count: int, relation: str, n: int) -> bool:
-    return count < n if relation == "less than" else count >= n  # relation: "less than" | "at least"
+    # relation: "less than" | "at least"
+    return count < n if relation == "less than" else count >= n
 
 
 def _n_paragraphs_ok(response: str, kw: dict) -> bool:
-    paragraphs = re.split(r"\s?\*\*\*\s?", response)  # paragraphs are separated by the markdown divider ***
+    # paragraphs are separated by the markdown divider ***
+    paragraphs = re.split(r"\s?\*\*\*\s?", response)
     inner_empty = any(not p.strip() for p in paragraphs[1:-1])
-    n = len(paragraphs) - (not paragraphs[0].strip()) - (len(paragraphs) > 1 and not paragraphs[-1].strip())
+    n = (
+        len(paragraphs)
+        - (not paragraphs[0].strip())
+        - (len(paragraphs) > 1 and not paragraphs[-1].strip())
+    )
     return not inner_empty and n == kw["num_paragraphs"]
 
 
@@ -554,7 +696,11 @@ def _nth_paragraph_first_word_ok(response: str, kw: dict) -> bool:
 
 def _n_highlights(response: str) -> int:
     single = [h for h in re.findall(r"\*[^\n\*]*\*", response) if h.strip("*").strip()]
-    double = [h for h in re.findall(r"\*\*[^\n\*]*\*\*", response) if h.removeprefix("**").removesuffix("**").strip()]
+    double = [
+        h
+        for h in re.findall(r"\*\*[^\n\*]*\*\*", response)
+        if h.removeprefix("**").removesuffix("**").strip()
+    ]
     return len(single) + len(double)
 
 
@@ -582,67 +728,111 @@ def _postscript_ok(response: str, marker: str) -> bool:
 
 
 IFEVAL_CHECKERS = {
-    "keywords:existence": lambda r, kw: all(re.search(k, r, flags=re.IGNORECASE) for k in kw["keywords"]),
+    "keywords:existence": lambda r, kw: all(
+        re.search(k, r, flags=re.IGNORECASE) for k in kw["keywords"]
+    ),
     "keywords:frequency": lambda r, kw: _compare(
-        len(re.findall(kw["keyword"].strip(), r, flags=re.IGNORECASE)), kw["relation"], kw["frequency"]),
-    "keywords:forbidden_words": lambda r, kw: not any(
-        re.search(r"\b" + w + r"\b", r, flags=re.IGNORECASE) for w in kw["forbidden_words"]),
+        len(re.findall(kw["keyword"].strip(), r, flags=re.IGNORECASE)),
+        kw["relation"],
+        kw["frequency"],
+    ),
+    "keywords:forbidden_words": lambda r, kw: (
+        not any(re.search(r"\b" + w + r"\b", r, flags=re.IGNORECASE) for w in kw["forbidden_words"])
+    ),
     "keywords:letter_frequency": lambda r, kw: _compare(
-        r.lower().count(kw["letter"].strip().lower()), kw["let_relation"], kw["let_frequency"]),
+        r.lower().count(kw["letter"].strip().lower()), kw["let_relation"], kw["let_frequency"]
+    ),
     "language:response_language": lambda r, kw: ifeval_language(r) in (None, kw["language"]),
     "length_constraints:number_sentences": lambda r, kw: _compare(
-        ifeval_sentences(r), kw["relation"], kw["num_sentences"]),
+        ifeval_sentences(r), kw["relation"], kw["num_sentences"]
+    ),
     "length_constraints:number_paragraphs": _n_paragraphs_ok,
     "length_constraints:number_words": lambda r, kw: _compare(
-        len(re.findall(r"\w+", r)), kw["relation"], kw["num_words"]),
+        len(re.findall(r"\w+", r)), kw["relation"], kw["num_words"]
+    ),
     "length_constraints:nth_paragraph_first_word": _nth_paragraph_first_word_ok,
-    "detectable_content:number_placeholders": lambda r, kw: len(re.findall(r"\[.*?\]", r)) >= kw["num_placeholders"],
-    "detectable_content:postscript": lambda r, kw: _postscript_ok(r, kw["postscript_marker"].strip()),
-    "detectable_format:number_bullet_lists": lambda r, kw: kw["num_bullets"] == len(
-        re.findall(r"^\s*\*[^\*].*$", r, flags=re.MULTILINE)) + len(re.findall(r"^\s*-.*$", r, flags=re.MULTILINE)),
-    "detectable_format:constrained_response": lambda r, kw: any(o in r.strip() for o in IFEVAL_RESPONSE_OPTIONS),
-    "detectable_format:number_highlighted_sections": lambda r, kw: _n_highlights(r) >= kw["num_highlights"],
-    "detectable_format:multiple_sections": lambda r, kw: kw["num_sections"] <= len(
-        re.split(r"\s?" + kw["section_spliter"].strip() + r"\s?\d+\s?", r)) - 1,
+    "detectable_content:number_placeholders": lambda r, kw: (
+        len(re.findall(r"\[.*?\]", r)) >= kw["num_placeholders"]
+    ),
+    "detectable_content:postscript": lambda r, kw: _postscript_ok(
+        r, kw["postscript_marker"].strip()
+    ),
+    "detectable_format:number_bullet_lists": lambda r, kw: (
+        kw["num_bullets"]
+        == len(re.findall(r"^\s*\*[^\*].*$", r, flags=re.MULTILINE))
+        + len(re.findall(r"^\s*-.*$", r, flags=re.MULTILINE))
+    ),
+    "detectable_format:constrained_response": lambda r, kw: any(
+        o in r.strip() for o in IFEVAL_RESPONSE_OPTIONS
+    ),
+    "detectable_format:number_highlighted_sections": lambda r, kw: (
+        _n_highlights(r) >= kw["num_highlights"]
+    ),
+    "detectable_format:multiple_sections": lambda r, kw: (
+        kw["num_sections"]
+        <= len(re.split(r"\s?" + kw["section_spliter"].strip() + r"\s?\d+\s?", r)) - 1
+    ),
     "detectable_format:json_format": lambda r, kw: _json_ok(r),
     "detectable_format:title": lambda r, kw: any(
-        t.lstrip("<").rstrip(">").strip() for t in re.findall(r"<<[^\n]+>>", r)),
+        t.lstrip("<").rstrip(">").strip() for t in re.findall(r"<<[^\n]+>>", r)
+    ),
     "combination:two_responses": lambda r, kw: _two_responses_ok(r),
-    "combination:repeat_prompt": lambda r, kw: r.strip().lower().startswith(kw["prompt_to_repeat"].strip().lower()),
-    "startend:end_checker": lambda r, kw: r.strip().strip('"').lower().endswith(kw["end_phrase"].strip().lower()),
+    "combination:repeat_prompt": lambda r, kw: (
+        r.strip().lower().startswith(kw["prompt_to_repeat"].strip().lower())
+    ),
+    "startend:end_checker": lambda r, kw: (
+        r.strip().strip('"').lower().endswith(kw["end_phrase"].strip().lower())
+    ),
     "startend:quotation": lambda r, kw: len(r.strip()) > 1 and r.strip()[0] == r.strip()[-1] == '"',
     "change_case:capital_word_frequency": lambda r, kw: _compare(
-        ifeval_capital_words(r), kw["capital_relation"], kw["capital_frequency"]),
+        ifeval_capital_words(r), kw["capital_relation"], kw["capital_frequency"]
+    ),
     "change_case:english_capital": lambda r, kw: r.isupper() and ifeval_language(r) in (None, "en"),
-    "change_case:english_lowercase": lambda r, kw: r.islower() and ifeval_language(r) in (None, "en"),
+    "change_case:english_lowercase": lambda r, kw: (
+        r.islower() and ifeval_language(r) in (None, "en")
+    ),
     "punctuation:no_comma": lambda r, kw: "," not in r,
-}  # fmt: skip
+}
 
 
 def ifeval_loose_variants(response: str) -> list[str]:
-    """The 8 texts the loose check tries: the response without its first line, last line or both, each also
-    without asterisks (IFEval's loose score forgives a "Sure, here it is:" line and markdown bold)."""
+    """The 8 texts the loose check tries: the response without its first line, last line or both,
+    each also without asterisks (IFEval's loose score forgives a "Sure, here it is:" line and
+    markdown bold)."""
     lines = response.split("\n")
-    cut = [response, "\n".join(lines[1:]).strip(), "\n".join(lines[:-1]).strip(), "\n".join(lines[1:-1]).strip()]
+    cut = [
+        response,
+        "\n".join(lines[1:]).strip(),
+        "\n".join(lines[:-1]).strip(),
+        "\n".join(lines[1:-1]).strip(),
+    ]
     return [cut[0], cut[0].replace("*", ""), *cut[1:], *(text.replace("*", "") for text in cut[1:])]
 
 
 def ifeval_reward(response: str, gold: dict) -> dict:
     """gold: {"instruction_id_list": [...], "kwargs": [...]} of one IFEval-style prompt.
 
-    reward = 1.0 iff every instruction is followed, strictly (lm-eval's prompt_level_strict_acc); with
-    gold["partial_credit"] = True it is instead the fraction followed (a denser reward). `strict` and `loose` hold
-    the per-instruction verdicts. An empty response follows nothing, as in the reference.
+    reward = 1.0 iff every instruction is followed, strictly (lm-eval's prompt_level_strict_acc);
+    with gold["partial_credit"] = True it is instead the fraction followed (a denser reward).
+    `strict` and `loose` hold the per-instruction verdicts. An empty response follows nothing, as in
+    the reference.
     """
-    loose_texts = [text for text in dict.fromkeys(ifeval_loose_variants(response)) if text.strip()]  # unique ones
+    # unique ones
+    loose_texts = [text for text in dict.fromkeys(ifeval_loose_variants(response)) if text.strip()]
     strict, loose = [], []
     for instruction_id, kwargs in zip(gold["instruction_id_list"], gold["kwargs"], strict=True):
         check = IFEVAL_CHECKERS[instruction_id]
         strict.append(bool(response.strip()) and bool(check(response, kwargs)))
         loose.append(strict[-1] or any(check(text, kwargs) for text in loose_texts[1:]))
     reward = sum(strict) / len(strict) if gold.get("partial_credit") else float(all(strict))
-    return {"reward": reward, "format_reward": float(bool(response.strip())), "answer_reward": reward,
-            "extracted": None, "strict": strict, "loose": loose}  # fmt: skip
+    return {
+        "reward": reward,
+        "format_reward": float(bool(response.strip())),
+        "answer_reward": reward,
+        "extracted": None,
+        "strict": strict,
+        "loose": loose,
+    }
 
 
 # --- Dispatch on example["verifier"] ---
@@ -658,18 +848,30 @@ VERIFIERS = {
 
 
 def score(response: str, example: dict) -> dict:
-    """Reward dict for one response (see the module docstring); example needs "verifier" and "answer" ("tests")."""
+    """Reward dict for one response (see the module docstring); example needs "verifier" and
+    "answer" ("tests")."""
     verifier = VERIFIERS.get(example["verifier"], False)
     if verifier is False:
         raise ValueError(f"unknown verifier {example['verifier']!r}; valid: {sorted(VERIFIERS)}")
-    return score_batch([response], [example])[0] if verifier is None else verifier(response, example["answer"])
+    return (
+        score_batch([response], [example])[0]
+        if verifier is None
+        else verifier(response, example["answer"])
+    )
 
 
-def score_batch(responses: list[str], examples: list[dict], timeout_s: float = CODE_TIMEOUT_S) -> list[dict]:
-    """score() for many responses; the code ones run together in a pool of processes (example["tests"] each)."""
+def score_batch(
+    responses: list[str], examples: list[dict], timeout_s: float = CODE_TIMEOUT_S
+) -> list[dict]:
+    """score() for many responses; the code ones run together in a pool of processes
+    (example["tests"] each)."""
     code = [i for i, example in enumerate(examples) if example["verifier"] == "code"]
-    results = {i: score(responses[i], ex) for i, ex in enumerate(examples) if ex["verifier"] != "code"}
+    results = {
+        i: score(responses[i], ex) for i, ex in enumerate(examples) if ex["verifier"] != "code"
+    }
     programs = {i: code_program(responses[i], examples[i]) for i in code}
-    runs = run_programs([programs[i] + "\n\n" + examples[i]["tests"] + "\n" for i in code], timeout_s)
+    runs = run_programs(
+        [programs[i] + "\n\n" + examples[i]["tests"] + "\n" for i in code], timeout_s
+    )
     results.update({i: _code_result(programs[i], run) for i, run in zip(code, runs, strict=True)})
     return [results[i] for i in range(len(examples))]

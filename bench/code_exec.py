@@ -1,7 +1,8 @@
-"""Programs per second through the code sandbox: MBPP's reference solutions, with and without bubblewrap.
+"""Programs per second through the code sandbox: MBPP's reference solutions, with and without
+bubblewrap.
 
-Each program is its reference `code` plus its three asserts, run by verifiers.run_programs (one process per core).
-Prints, per mode, the number that passed and the throughput.
+Each program is its reference `code` plus its three asserts, run by verifiers.run_programs (one
+process per core). Prints, per mode, the number that passed and the throughput.
 
 Usage:
     python -m bench.code_exec --data-dir ../shared/data
@@ -31,7 +32,9 @@ class Args:
 
 
 def main(args: Args) -> dict:
-    examples = [ex for split in data.SPLITS["mbpp"] for ex in data.load("mbpp", split, args.data_dir)]
+    examples = [
+        ex for split in data.SPLITS["mbpp"] for ex in data.load("mbpp", split, args.data_dir)
+    ]
     examples = sorted(examples, key=lambda ex: int(ex["id"].split("/")[1]))[: args.limit]
     sources = [ex["solution"] + "\n\n" + ex["tests"] + "\n" for ex in examples]
     bwrap, results = verifiers.BWRAP if verifiers.bwrap_usable(verifiers.BWRAP) else None, {}
@@ -47,8 +50,10 @@ def main(args: Args) -> dict:
             "programs_per_s": len(sources) / seconds,
         }
         n_passed, rate = len(sources) - len(failed), len(sources) / seconds
-        print(f"{mode:12} {n_passed}/{len(sources)} passed  {rate:6.1f} programs/s  ({seconds:.1f} s, "
-              f"{args.n_workers or os.cpu_count()} workers)  failed: {failed}")  # fmt: skip
+        print(
+            f"{mode:12} {n_passed}/{len(sources)} passed  {rate:6.1f} programs/s  ({seconds:.1f} s, "
+            f"{args.n_workers or os.cpu_count()} workers)  failed: {failed}"
+        )
     verifiers.BWRAP = bwrap
     return results
 

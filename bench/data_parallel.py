@@ -1,8 +1,10 @@
-"""Data parallel on this machine: GRPO at the ladder's shape under `torchrun --nproc-per-node N`, for N = 1 and 2.
+"""Data parallel on this machine: GRPO at the ladder's shape under `torchrun --nproc-per-node N`,
+for N = 1 and 2.
 
-Each rank runs a trainer and its own in-process vLLM engine on the CPU (docs/distributed.md). Prints, per N: the
-median seconds per GRPO step after the first, steps/s, and each rank's peak resident memory (sampled every 0.2 s),
-from which the second rank's cost. The ladder's GRPO arguments (ladder.py), evaluation only at the end.
+Each rank runs a trainer and its own in-process vLLM engine on the CPU (docs/distributed.md).
+Prints, per N: the median seconds per GRPO step after the first, steps/s, and each rank's peak
+resident memory (sampled every 0.2 s), from which the second rank's cost. The ladder's GRPO
+arguments (ladder.py), evaluation only at the end.
 
     python -m bench.data_parallel --model runs/ladder__1__<time>/sft__1__<time>/checkpoints/step_000625
 """
@@ -22,9 +24,30 @@ import psutil
 import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
-LADDER_GRPO = ["--dataset", "synthetic", "--template", "question", "--rollout-batch-size", "256", "--group-size", "8",
-               "--train-batch-size", "64", "--microbatch-size", "64", "--lr", "1e-4", "--max-tokens", "64",
-               "--eval-max-tokens", "64", "--n-eval", "64", "--save-every", "100000"]  # fmt: skip
+LADDER_GRPO = [
+    "--dataset",
+    "synthetic",
+    "--template",
+    "question",
+    "--rollout-batch-size",
+    "256",
+    "--group-size",
+    "8",
+    "--train-batch-size",
+    "64",
+    "--microbatch-size",
+    "64",
+    "--lr",
+    "1e-4",
+    "--max-tokens",
+    "64",
+    "--eval-max-tokens",
+    "64",
+    "--n-eval",
+    "64",
+    "--save-every",
+    "100000",
+]
 
 
 @dataclass
@@ -43,11 +66,30 @@ def run(model: str, n_ranks: int, n_steps: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mkdtemp(prefix="bench_dp_")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n_ranks), "--master-port",
-               str(port), str(ROOT / "grpo.py"), "--model", model, "--output-dir", out, *LADDER_GRPO,
-               "--n-grpo-steps", str(n_steps), "--eval-every", str(n_steps)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(n_ranks),
+        "--master-port",
+        str(port),
+        str(ROOT / "grpo.py"),
+        "--model",
+        model,
+        "--output-dir",
+        out,
+        *LADDER_GRPO,
+        "--n-grpo-steps",
+        str(n_steps),
+        "--eval-every",
+        str(n_steps),
+    ]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    launcher, peak = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), {}
+    launcher, peak = (
+        subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
+        {},
+    )
     while launcher.poll() is None:
         for child in psutil.Process(launcher.pid).children():
             try:
@@ -64,15 +106,21 @@ def run(model: str, n_ranks: int, n_steps: int) -> dict:
 
 
 def main(args: Args) -> None:
-    print("| ranks | s / GRPO step | steps / s | generate s | train s | peak memory per rank (GB) |")
+    print(
+        "| ranks | s / GRPO step | steps / s | generate s | train s | peak memory per rank (GB) |"
+    )
     print("|---|---|---|---|---|---|")
     for n_ranks in args.ranks:
         result = run(args.model, n_ranks, args.n_steps)
         timed = result["metrics"][1:-1]  # not the first step (warm-up), nor the last (it evaluates)
-        step, generate, train = (statistics.median(m[key] for m in timed) for key in ("time/step", "time/generate",
-                                                                                      "time/train"))  # fmt: skip
+        step, generate, train = (
+            statistics.median(m[key] for m in timed)
+            for key in ("time/step", "time/generate", "time/train")
+        )
         peaks = ", ".join(f"{gb:.2f}" for gb in result["peak_gb"].values())
-        print(f"| {n_ranks} | {step:.2f} | {1 / step:.3f} | {generate:.2f} | {train:.2f} | {peaks} |")
+        print(
+            f"| {n_ranks} | {step:.2f} | {1 / step:.3f} | {generate:.2f} | {train:.2f} | {peaks} |"
+        )
 
 
 if __name__ == "__main__":

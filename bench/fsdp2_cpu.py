@@ -1,7 +1,8 @@
-"""Does FSDP2 (torch.distributed.fsdp.fully_shard) train on CPU with gloo? The first step toward a model that does not
-fit one GPU (docs/distributed.md). Under torchrun, every rank shards a tiny Qwen3 model (each decoder layer, then the
-whole), trains on its half of a batch in two microbatches (gradient sync on the last only), one AdamW step, and
-compares the gathered full weights with an unsharded copy trained on the whole batch in this process.
+"""Does FSDP2 (torch.distributed.fsdp.fully_shard) train on CPU with gloo? The first step toward a
+model that does not fit one GPU (docs/distributed.md). Under torchrun, every rank shards a tiny
+Qwen3 model (each decoder layer, then the whole), trains on its half of a batch in two microbatches
+(gradient sync on the last only), one AdamW step, and compares the gathered full weights with an
+unsharded copy trained on the whole batch in this process.
 
     python tiny_model.py --out /tmp/tiny && torchrun --nproc-per-node 2 -m bench.fsdp2_cpu --model /tmp/tiny
 
@@ -28,7 +29,8 @@ class Args:
 
 
 def summed_nll(model, ids: torch.Tensor, n_tokens: int) -> torch.Tensor:
-    """Backward of these rows' summed next-token NLL over the GLOBAL token count; returns the loss."""
+    """Backward of these rows' summed next-token NLL over the GLOBAL token count; returns the
+    loss."""
     log_probs = torch.log_softmax(model(ids).logits.float()[:, :-1], dim=-1)
     loss = -log_probs.gather(-1, ids[:, 1:, None]).sum() / n_tokens
     loss.backward()
@@ -38,11 +40,13 @@ def summed_nll(model, ids: torch.Tensor, n_tokens: int) -> torch.Tensor:
 def main(args: Args) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    ids = torch.randint(3, 300, (4 * world, 12), generator=torch.Generator().manual_seed(0))  # (B, T), every rank
+    # (B, T), every rank
+    ids = torch.randint(3, 300, (4 * world, 12), generator=torch.Generator().manual_seed(0))
     n_tokens = ids[:, 1:].numel()
     start = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).state_dict()
 
-    reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # one process, whole batch
+    # one process, whole batch
+    reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr)
     summed_nll(reference, ids, n_tokens)
     optimizer.step()
@@ -58,18 +62,22 @@ def main(args: Args) -> None:
     summed_nll(sharded, mine[:2], n_tokens)
     sharded.set_requires_gradient_sync(True)  # reduce-scatter after the last
     summed_nll(sharded, mine[2:], n_tokens)
-    # FSDP averages over the ranks; each rank's loss is over the global count, so the sum is wanted. (NCCL:
-    # set_gradient_divide_factor(1.0); gloo refuses the PREMUL_SUM that needs.)
+    # FSDP averages over the ranks; each rank's loss is over the global count, so the sum is wanted.
+    # (NCCL: set_gradient_divide_factor(1.0); gloo refuses the PREMUL_SUM that needs.)
     for p in sharded.parameters():
         p.grad.mul_(world)
     optimizer.step()
 
-    full = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(
+        sharded, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if rank == 0:
         want = reference.state_dict()
         moved = max((want[k] - start[k]).abs().max().item() for k in want)
         differ = max((full[k] - want[k]).abs().max().item() for k in want)
-        print(f"FSDP2 on gloo, {world} ranks: weights moved {moved:.3g}, differ from one process by {differ:.3g}")
+        print(
+            f"FSDP2 on gloo, {world} ranks: weights moved {moved:.3g}, differ from one process by {differ:.3g}"
+        )
     dist.destroy_process_group()
 
 

@@ -1,6 +1,6 @@
-"""The table of docs/grpo_family.md from the runs of bench/grpo_family.sh: per variant, the final greedy test accuracy
-(mean +- standard error over seeds), and the mean wall time of a run (done.txt).
-Usage: python -m bench.grpo_family_table runs/grpo_family"""
+"""The table of docs/grpo_family.md from the runs of bench/grpo_family.sh: per variant, the final
+greedy test accuracy (mean +- standard error over seeds), and the mean wall time of a run
+(done.txt). Usage: python -m bench.grpo_family_table runs/grpo_family"""
 
 import json
 import statistics
@@ -18,7 +18,9 @@ def main(out: Path) -> None:
     for name in walls:
         first, last = [], []
         for metrics in sorted((out / name).glob("*/metrics.jsonl")):
-            evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if "eval/accuracy" in r]
+            evals = [
+                r for r in map(json.loads, metrics.read_text().splitlines()) if "eval/accuracy" in r
+            ]
             if len(evals) > 1:
                 first.append(evals[0]["eval/accuracy"])
                 last.append(evals[-1]["eval/accuracy"])

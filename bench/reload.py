@@ -1,10 +1,12 @@
-"""Weight reload into the vLLM engine: seconds and bytes/s, against a plain copy of the same bytes on the same device.
+"""Weight reload into the vLLM engine: seconds and bytes/s, against a plain copy of the same bytes
+on the same device.
 
-grpo.py copies the trainer's weights into its in-process engine after every step: vLLM's in-place reload_weights with
-the trainer's state_dict(), then a reset of the prefix cache. This file times its own copy of those two calls on
-random-weight models from tiny_model.py, and the physical limit in-process: copy_ of every tensor into a preallocated
-one of the same shape and dtype. The check grpo.py runs after each reload (weights read back, two probes generated and
-scored) is in its time/reload: bench/grpo_step.py prints it.
+grpo.py copies the trainer's weights into its in-process engine after every step: vLLM's in-place
+reload_weights with the trainer's state_dict(), then a reset of the prefix cache. This file times
+its own copy of those two calls on random-weight models from tiny_model.py, and the physical limit
+in-process: copy_ of every tensor into a preallocated one of the same shape and dtype. The check
+grpo.py runs after each reload (weights read back, two probes generated and scored) is in its
+time/reload: bench/grpo_step.py prints it.
 
     python -m bench.reload                        # tiny, 25m and 300m (each in its own process: one engine each)
     python -m bench.reload --sizes tiny --repeats 3
@@ -32,17 +34,20 @@ class Args:
     work_dir: str | None = None
     """where the models go (None: a temporary folder)"""
     model: str | None = None
-    """time this one model folder here, in this process, and print one JSON line (what each size's process runs)"""
+    """time this one model folder here, in this process, and print one JSON line (what each size's
+    process runs)"""
 
 
 def time_model(model: str, repeats: int) -> dict:
-    """Median seconds of the reload grpo.py does after every step, and of a plain copy of the same tensors."""
+    """Median seconds of the reload grpo.py does after every step, and of a plain copy of the same
+    tensors."""
     import torch
     from transformers import AutoModelForCausalLM
 
     llm = start_engine(model, "cpu", 512)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    # state_dict(), not named_parameters(): the tied lm_head.weight too, as grpo.py sends it (else it would stay stale)
+    # state_dict(), not named_parameters(): the tied lm_head.weight too, as grpo.py sends it (else
+    # it would stay stale)
     weights = [(name, t.detach()) for name, t in policy.state_dict().items()]
     copies = [torch.empty_like(t) for _, t in weights]
 
@@ -76,17 +81,21 @@ def main(args: Args) -> list[dict]:
         print(json.dumps(time_model(args.model, args.repeats)))
         return []
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="reload_"))
-    print(f"reload into the vLLM engine (CPU, float32), median of {args.repeats}; load average "
-          f"{os.getloadavg()[0]:.1f}\n{'size':>6} {'params':>8} {'MB':>7} {'reload s':>9} {'MB/s':>7} "
-          f"{'copy s':>7} {'MB/s':>7} {'reload/copy':>11}")  # fmt: skip
+    print(
+        f"reload into the vLLM engine (CPU, float32), median of {args.repeats}; load average "
+        f"{os.getloadavg()[0]:.1f}\n{'size':>6} {'params':>8} {'MB':>7} {'reload s':>9} {'MB/s':>7} "
+        f"{'copy s':>7} {'MB/s':>7} {'reload/copy':>11}"
+    )
     rows = []
     for size in args.sizes:
         child = ["--model", make_model(work, size), "--repeats", str(args.repeats)]
         r = {"size": size, **run_in_own_process("bench.reload", child)}
         mb = r["bytes"] / 1e6
-        print(f"{size:>6} {r['n_params'] / 1e6:>7.1f}M {mb:>7.1f} {r['reload_s']:>9.3f} {mb / r['reload_s']:>7.0f} "
-              f"{r['copy_s']:>7.3f} {mb / r['copy_s']:>7.0f} {r['reload_s'] / r['copy_s']:>11.1f}",
-              flush=True)  # fmt: skip
+        print(
+            f"{size:>6} {r['n_params'] / 1e6:>7.1f}M {mb:>7.1f} {r['reload_s']:>9.3f} {mb / r['reload_s']:>7.0f} "
+            f"{r['copy_s']:>7.3f} {mb / r['copy_s']:>7.0f} {r['reload_s'] / r['copy_s']:>11.1f}",
+            flush=True,
+        )
         rows.append(r)
     return rows
 

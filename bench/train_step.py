@@ -1,13 +1,16 @@
 """The trainer side of a GRPO step, alone: tokens/s, model FLOPs utilisation and peak memory.
 
-Builds a model of Qwen3-1.7B-Base's shape from its config with random weights (nothing is downloaded) and trains it
-on random token ids as grpo.py's update does, in this file's own copy of it (microbatch_backward): float32 weights,
-bf16 autocast on a GPU, log-probs of the labels and the token entropy, the clipped surrogate with a token-mean loss,
-backward; gradient clipping and one AdamW step per batch. For each microbatch size it prints
+Builds a model of Qwen3-1.7B-Base's shape from its config with random weights (nothing is
+downloaded) and trains it on random token ids as grpo.py's update does, in this file's own copy of
+it (microbatch_backward): float32 weights, bf16 autocast on a GPU, log-probs of the labels and the
+token entropy, the clipped surrogate with a token-mean loss, backward; gradient clipping and one
+AdamW step per batch. For each microbatch size it prints
 
-    tokens/s   trained tokens (prompt + response) per second over the timed steps
-    MFU        6 x parameters x tokens/s over the device's bf16 dense peak (--peak-tflops; H100 SXM: 989); on a CPU,
-               over a MEASURED float32 peak: the best of a few 2048 x 2048 matmuls (cpu_matmul_tflops)
+    tokens/s   trained tokens (prompt + response) per second over the timed steps MFU        6 x
+    parameters x tokens/s over the device's bf16 dense peak (--peak-tflops; H100 SXM: 989); on a
+    CPU,
+               over a MEASURED float32 peak: the best of a few 2048 x 2048 matmuls
+               (cpu_matmul_tflops)
     peak GiB   torch.cuda.max_memory_allocated (GPU), or the process's peak RSS (CPU)
 
     python -m bench.train_step                                  # GPU: Qwen3-1.7B shape, microbatch 1, 2, 4, 8
@@ -28,16 +31,48 @@ import tyro
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 SHAPES = {  # Qwen3-1.7B-Base's config.json (1.72e9 parameters, tied embeddings); "tiny" for a CPU
-    "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=6144, vocab_size=151936, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                 intermediate_size=768, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(
+        hidden_size=2048,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=6144,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=768,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
     # the issue's two CPU sizes, as tiny_model.py builds them (its BPE vocabulary has 477 tokens)
-    "ladder": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                   intermediate_size=384, vocab_size=477, tie_word_embeddings=True),
-    "25m": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-                intermediate_size=1536, vocab_size=477, tie_word_embeddings=True),
-}  # fmt: skip
+    "ladder": dict(
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=384,
+        vocab_size=477,
+        tie_word_embeddings=True,
+    ),
+    "25m": dict(
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=477,
+        tie_word_embeddings=True,
+    ),
+}
 
 
 @dataclass
@@ -53,12 +88,14 @@ class Args:
     accumulation: int = 4
     """microbatches per optimizer step"""
     peak_tflops: float | None = None
-    """the device's bf16 dense peak, for MFU (default: 989 on an H100 or H200; on a CPU, cpu_matmul_tflops)"""
+    """the device's bf16 dense peak, for MFU (default: 989 on an H100 or H200; on a CPU,
+    cpu_matmul_tflops)"""
 
 
 def cpu_matmul_tflops(n: int = 2048, repeats: int = 5) -> float:
-    """The CPU's float32 peak as torch reaches it: 2 n^3 FLOPs per n x n matmul, the fastest of `repeats`. A
-    measured limit, not the datasheet's (2 cores of AVX2 FMA at ~2.7 GHz: ~0.17 TFLOP/s)."""
+    """The CPU's float32 peak as torch reaches it: 2 n^3 FLOPs per n x n matmul, the fastest of
+    `repeats`. A measured limit, not the datasheet's (2 cores of AVX2 FMA at ~2.7 GHz: ~0.17
+    TFLOP/s)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b  # warm-up
     best = math.inf
@@ -75,33 +112,46 @@ def peak_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def microbatch_backward(model, ids: torch.Tensor, response_mask: torch.Tensor, advantages: torch.Tensor,
-                        n_batch_tokens: int) -> torch.Tensor:  # fmt: skip
-    """One microbatch of grpo.py's update, this file's copy: ids (B, T + 1), response_mask (B, T) over the labels
-    ids[:, 1:], advantages (B,). Log-probs, the clipped surrogate at ratio 1 (one optimizer step per batch: the old
-    policy is this one) summed over the response tokens / the batch's, backward; returns the summed token entropy
-    (grpo.py logs its mean), on the device."""
+def microbatch_backward(
+    model,
+    ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    n_batch_tokens: int,
+) -> torch.Tensor:
+    """One microbatch of grpo.py's update, this file's copy: ids (B, T + 1), response_mask (B, T)
+    over the labels ids[:, 1:], advantages (B,). Log-probs, the clipped surrogate at ratio 1 (one
+    optimizer step per batch: the old policy is this one) summed over the response tokens / the
+    batch's, backward; returns the summed token entropy (grpo.py logs its mean), on the device."""
     device_type = ids.device.type
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
         logits = model(ids[:, :-1]).logits.float()  # (B, T, V); float32 under autocast too
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T)
-    with torch.no_grad():  # in chunks of 1024 positions, as grpo.py: at once, two more (B, T, V) float32 tensors
+    # in chunks of 1024 positions, as grpo.py: at once, two more (B, T, V) float32 tensors
+    with torch.no_grad():
         flat = logits.flatten(0, 1)  # (B T, V)
-        entropy = torch.cat([torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1) for z in flat.split(1024)])
+        entropy = torch.cat(
+            [torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1) for z in flat.split(1024)]
+        )
     ratio, a = torch.exp(log_probs - log_probs.detach()), advantages[:, None]  # (B, T), (B, 1)
     per_token = -torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a)  # (B, T); cliprange 0.2
     ((per_token * response_mask).sum() / n_batch_tokens).backward()
     return (entropy.view_as(log_probs) * response_mask).sum()
 
 
-def train_steps(model, optimizer, args: Args, microbatch_size: int, n_steps: int, device: torch.device) -> int:
-    """n_steps optimizer steps of args.accumulation microbatches; returns the number of tokens trained on."""
+def train_steps(
+    model, optimizer, args: Args, microbatch_size: int, n_steps: int, device: torch.device
+) -> int:
+    """n_steps optimizer steps of args.accumulation microbatches; returns the number of tokens
+    trained on."""
     response_mask = torch.zeros(microbatch_size, args.seq_len, dtype=torch.bool, device=device)
     response_mask[:, args.seq_len // 2 :] = True
     n_batch_tokens = int(response_mask.sum()) * args.accumulation
     for _ in range(n_steps):
         for _ in range(args.accumulation):
-            ids = torch.randint(0, model.config.vocab_size, (microbatch_size, args.seq_len + 1), device=device)
+            ids = torch.randint(
+                0, model.config.vocab_size, (microbatch_size, args.seq_len + 1), device=device
+            )
             advantages = torch.randn(microbatch_size, device=device)
             microbatch_backward(model, ids, response_mask, advantages, n_batch_tokens)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -125,14 +175,17 @@ def main(args: Args) -> list[dict]:
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    print(f"{name}, torch {torch.__version__}: {args.shape} ({n_params / 1e9:.3f}e9 parameters), sequences of "
-          f"{args.seq_len} tokens, {args.accumulation} microbatches a step, gradient checkpointing "
-          f"{'on' if args.gradient_checkpointing else 'off'}")  # fmt: skip
+    print(
+        f"{name}, torch {torch.__version__}: {args.shape} ({n_params / 1e9:.3f}e9 parameters), sequences of "
+        f"{args.seq_len} tokens, {args.accumulation} microbatches a step, gradient checkpointing "
+        f"{'on' if args.gradient_checkpointing else 'off'}"
+    )
     print(f"{'microbatch':>10} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
     rows = []
     for microbatch_size in args.microbatch_sizes:
         try:
-            train_steps(model, optimizer, args, microbatch_size, 1, device)  # warm-up: kernels, AdamW state
+            # warm-up: kernels, AdamW state
+            train_steps(model, optimizer, args, microbatch_size, 1, device)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -147,10 +200,18 @@ def main(args: Args) -> list[dict]:
             break
         mfu = 6 * n_params * tokens_per_s / (peak * 1e12) if peak else None
         rows.append(
-            dict(microbatch_size=microbatch_size, tokens_per_s=tokens_per_s, mfu=mfu, peak_gib=peak_gib(device))
+            dict(
+                microbatch_size=microbatch_size,
+                tokens_per_s=tokens_per_s,
+                mfu=mfu,
+                peak_gib=peak_gib(device),
+            )
         )
         mfu_text = f"{mfu:.1%}" if mfu is not None else "-"
-        print(f"{microbatch_size:>10} {tokens_per_s:>10.0f} {mfu_text:>6} {rows[-1]['peak_gib']:>9.1f}", flush=True)
+        print(
+            f"{microbatch_size:>10} {tokens_per_s:>10.0f} {mfu_text:>6} {rows[-1]['peak_gib']:>9.1f}",
+            flush=True,
+        )
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
     return rows

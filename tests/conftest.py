@@ -1,13 +1,14 @@
-"""Shared fixtures: the repo root on sys.path, the local datasets, and a tiny model built once per session; and
-interrupted_at_call, for the tests that stop a run and resume it."""
+"""Shared fixtures: the repo root on sys.path, the local datasets, and a tiny model built once per
+session; and interrupted_at_call, for the tests that stop a run and resume it."""
 
 import contextlib
 import os
 import sys
 from pathlib import Path
 
-# vLLM reads these at engine start. In-process engine (no worker processes): the trainer can hand it tensors
-# and tests stay deterministic. A 1 GiB KV cache instead of half the machine's memory starts it in seconds.
+# vLLM reads these at engine start. In-process engine (no worker processes): the trainer can hand it
+# tensors and tests stay deterministic. A 1 GiB KV cache instead of half the machine's memory starts
+# it in seconds.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
@@ -35,8 +36,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @contextlib.contextmanager
 def interrupted_at_call(module, name: str, n: int):
-    """Within it, the n-th call of module.name raises KeyboardInterrupt, as a run killed there would stop (the calls
-    before it run as usual); the function is put back on leaving, and the interrupt must have happened."""
+    """Within it, the n-th call of module.name raises KeyboardInterrupt, as a run killed there would
+    stop (the calls before it run as usual); the function is put back on leaving, and the interrupt
+    must have happened."""
     real, calls = getattr(module, name), []
 
     def counted(*args, **kwargs):

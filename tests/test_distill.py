@@ -1,6 +1,6 @@
-"""distill.py: the advantage and loss by hand, the reverse-KL gradient they give, then whole runs on the tiny model with
-a real vLLM engine: a teacher equal to the student changes nothing; another teacher is approached; a bad teacher stops
-the run before its folder and the engine."""
+"""distill.py: the advantage and loss by hand, the reverse-KL gradient they give, then whole runs on
+the tiny model with a real vLLM engine: a teacher equal to the student changes nothing; another
+teacher is approached; a bad teacher stops the run before its folder and the engine."""
 
 import gc
 import json
@@ -20,11 +20,14 @@ def test_advantage_by_hand():
     # The student gives its two sampled tokens 0.5 and 0.25, the teacher 0.25 and 0.5.
     student = torch.log(torch.tensor([[0.5, 0.25]]))
     teacher = torch.log(torch.tensor([[0.25, 0.5]]))
-    # A_t = -(log p - log q): -(log 2) where the student is too sure, +log 2 where it is not sure enough.
+    # A_t = -(log p - log q): -(log 2) where the student is too sure, +log 2 where it is not sure
+    # enough.
     advantages = distill.compute_distill_advantages(student, teacher)
     assert advantages[0].tolist() == pytest.approx([-math.log(2), math.log(2)])
     # --reward-weight 0.5 with a group-normalised reward of 2 adds 1 to every token of the response.
-    mixed = distill.compute_distill_advantages(student, teacher, torch.tensor([2.0]), reward_weight=0.5)
+    mixed = distill.compute_distill_advantages(
+        student, teacher, torch.tensor([2.0]), reward_weight=0.5
+    )
     assert mixed[0].tolist() == pytest.approx([1 - math.log(2), 1 + math.log(2)])
 
 
@@ -32,25 +35,34 @@ def test_loss_and_gradient_by_hand():
     student = torch.log(torch.tensor([[0.5, 0.25, 0.9]])).requires_grad_()
     teacher = torch.log(torch.tensor([[0.25, 0.5, 0.1]]))
     mask = torch.tensor([[1, 1, 0]])  # the third token is padding: no loss, no gradient
-    loss, reverse_kl = distill.distill_microbatch_train_step(student, teacher, mask, n_batch_tokens=2)
-    # loss = (-A_1 log p_1 - A_2 log p_2) / 2 = (ln2 ln0.5 - ln2 ln0.25) / 2 = (-ln2^2 + 2 ln2^2) / 2 = ln2^2 / 2
+    loss, reverse_kl = distill.distill_microbatch_train_step(
+        student, teacher, mask, n_batch_tokens=2
+    )
+    # loss = (-A_1 log p_1 - A_2 log p_2) / 2 = (ln2 ln0.5 - ln2 ln0.25) / 2 = (-ln2^2 + 2 ln2^2) /
+    # 2 = ln2^2 / 2
     assert loss.item() == pytest.approx(math.log(2) ** 2 / 2)
-    # d loss / d log p_t = -A_t / 2 (A detached): +ln2/2 for the over-sure token, -ln2/2 for the other, 0 for padding
+    # d loss / d log p_t = -A_t / 2 (A detached): +ln2/2 for the over-sure token, -ln2/2 for the
+    # other, 0 for padding
     assert student.grad[0].tolist() == pytest.approx([math.log(2) / 2, -math.log(2) / 2, 0.0])
     assert reverse_kl[0, :2].tolist() == pytest.approx([math.log(2), -math.log(2)])
 
 
 def test_group_normalized_rewards_by_hand():
-    # Group [1, 0, 0, 0]: mean 0.25, unbiased std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5; group [1, 1, 1, 1]: all 0.
-    advantages = distill.group_normalized_rewards(torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1]), group_size=4, eps=0.0)
+    # Group [1, 0, 0, 0]: mean 0.25, unbiased std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5; group [1,
+    # 1, 1, 1]: all 0.
+    advantages = distill.group_normalized_rewards(
+        torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1]), group_size=4, eps=0.0
+    )
     assert advantages[:4].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5])
-    assert advantages[4:].abs().max().item() < 1e-6 or torch.isnan(advantages[4:]).all()  # 0 / 0 with eps = 0
+    # 0 / 0 with eps = 0
+    assert advantages[4:].abs().max().item() < 1e-6 or torch.isnan(advantages[4:]).all()
     assert distill.group_normalized_rewards(torch.tensor([1.0, 1, 1, 1]), 4).tolist() == [0.0] * 4
 
 
 def test_expected_gradient_is_the_reverse_kl_gradient():
-    # One position, five tokens: weighting each token's loss gradient by its probability p(x) (the expectation over
-    # the student's samples) gives exactly the gradient of KL(p || q) = sum_x p(x) (log p(x) - log q(x)).
+    # One position, five tokens: weighting each token's loss gradient by its probability p(x) (the
+    # expectation over the student's samples) gives exactly the gradient of KL(p || q) = sum_x p(x)
+    # (log p(x) - log q(x)).
     torch.manual_seed(0)
     logits, q = torch.randn(5, requires_grad=True), torch.softmax(torch.randn(5), dim=0)
     log_p = torch.log_softmax(logits, dim=0)
@@ -68,10 +80,12 @@ def test_expected_gradient_is_the_reverse_kl_gradient():
 
 @pytest.fixture(scope="module")
 def student_and_teacher(tmp_path_factory) -> tuple:
-    """A tiny model (other random weights than tiny_model_dir's) and, as its teacher, the same model with 4x sharper
-    next-token distributions (the final norm scaled: logits x 4): the student has far to go, in a direction a few
-    steps can take."""
-    student = tiny_model.main(tiny_model.Args(out=str(tmp_path_factory.mktemp("student") / "tiny"), seed=7))
+    """A tiny model (other random weights than tiny_model_dir's) and, as its teacher, the same model
+    with 4x sharper next-token distributions (the final norm scaled: logits x 4): the student has
+    far to go, in a direction a few steps can take."""
+    student = tiny_model.main(
+        tiny_model.Args(out=str(tmp_path_factory.mktemp("student") / "tiny"), seed=7)
+    )
     teacher = AutoModelForCausalLM.from_pretrained(student)
     with torch.no_grad():
         teacher.model.norm.weight.mul_(4)
@@ -81,10 +95,24 @@ def student_and_teacher(tmp_path_factory) -> tuple:
 
 
 def run_args(student, teacher, tmp_path, **overrides) -> distill.Args:
-    settings = dict(model=str(student), teacher=str(teacher), dataset="synthetic", template="question",
-                    output_dir=str(tmp_path), n_distill_steps=2, rollout_batch_size=16, group_size=4, max_tokens=16,
-                    lr=3e-3, microbatch_size=8, n_eval=16, eval_every=100, eval_max_tokens=16, save_every=100,
-                    n_log_generations=1)  # fmt: skip
+    settings = dict(
+        model=str(student),
+        teacher=str(teacher),
+        dataset="synthetic",
+        template="question",
+        output_dir=str(tmp_path),
+        n_distill_steps=2,
+        rollout_batch_size=16,
+        group_size=4,
+        max_tokens=16,
+        lr=3e-3,
+        microbatch_size=8,
+        n_eval=16,
+        eval_every=100,
+        eval_max_tokens=16,
+        save_every=100,
+        n_log_generations=1,
+    )
     return distill.Args(**{**settings, **overrides})
 
 
@@ -113,16 +141,30 @@ def test_teacher_equal_to_student_gives_zero_kl_and_changes_nothing(tiny_model_d
 
 @pytest.mark.usefixtures("free_engines")
 def test_a_short_run_lowers_the_held_out_reverse_kl_to_the_teacher(student_and_teacher, tmp_path):
-    # One token per response: the per-token advantage is then the exact reverse-KL gradient at each prompt, in
-    # expectation. (Over longer responses, moving the early tokens moves the prefixes the later ones are graded at:
-    # on these random models the KL at the student's own later positions does not fall in 20 steps.)
-    run_dir = distill.main(run_args(*student_and_teacher, tmp_path, n_distill_steps=20, eval_every=20, lr=1e-3,
-                                    rollout_batch_size=64, n_eval=64, max_tokens=1, eval_max_tokens=1))  # fmt: skip
+    # One token per response: the per-token advantage is then the exact reverse-KL gradient at each
+    # prompt, in expectation. (Over longer responses, moving the early tokens moves the prefixes the
+    # later ones are graded at: on these random models the KL at the student's own later positions
+    # does not fall in 20 steps.)
+    run_dir = distill.main(
+        run_args(
+            *student_and_teacher,
+            tmp_path,
+            n_distill_steps=20,
+            eval_every=20,
+            lr=1e-3,
+            rollout_batch_size=64,
+            n_eval=64,
+            max_tokens=1,
+            eval_max_tokens=1,
+        )
+    )
     held_out = [m["eval/reverse_kl"] for m in metrics_of(run_dir) if "eval/reverse_kl" in m]
     assert held_out[1] < 0.8 * held_out[0], held_out
 
 
-def test_a_bad_teacher_stops_before_the_run_folder_and_the_engine(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_bad_teacher_stops_before_the_run_folder_and_the_engine(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     monkeypatch.setattr(distill, "init_vllm", lambda *a: pytest.fail("the engine must not start"))
     with pytest.raises(ValueError, match="no model folder there"):
         distill.main(run_args(tiny_model_dir, tmp_path / "nope", tmp_path / "runs"))

@@ -1,6 +1,7 @@
-"""Data parallel under torchrun, proven on CPU with gloo: 2 ranks x half a batch make the update 1 rank makes on the
-whole batch (every loss aggregation; a rank with no rows too); whole runs of 2 ranks, each with its own vLLM engine,
-write one run folder and resume; a rank that dies or hangs stops the run within a timeout, named."""
+"""Data parallel under torchrun, proven on CPU with gloo: 2 ranks x half a batch make the update 1
+rank makes on the whole batch (every loss aggregation; a rank with no rows too); whole runs of 2
+ranks, each with its own vLLM engine, write one run folder and resume; a rank that dies or hangs
+stops the run within a timeout, named."""
 
 import json
 import os
@@ -28,39 +29,66 @@ def free_port() -> int:
 
 
 def rollout_batch(n: int, seed: int = 0) -> tuple[dict, list[int]]:
-    """n responses of different lengths to random prompts, with advantages and rewards, as grpo.main collates them."""
+    """n responses of different lengths to random prompts, with advantages and rewards, as grpo.main
+    collates them."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 300, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]  # fmt: skip
-    outputs = [torch.randint(3, 300, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]  # fmt: skip
+    prompts = [
+        torch.randint(3, 300, (int(torch.randint(4, 9, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+    outputs = [
+        torch.randint(3, 300, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
     batch = grpo.collate_token_ids(prompts, outputs, 0)
-    batch["engine_log_probs"] = -5 - torch.rand(batch["response_mask"].shape, generator=g)  # some above the IS cap
-    batch["advantages"], batch["raw_rewards"] = torch.randn(n, generator=g), torch.rand(n, generator=g)
+    # some above the IS cap
+    batch["engine_log_probs"] = -5 - torch.rand(batch["response_mask"].shape, generator=g)
+    batch["advantages"], batch["raw_rewards"] = (
+        torch.randn(n, generator=g),
+        torch.rand(n, generator=g),
+    )
     return batch, [len(p) + len(o) - 1 for p, o in zip(prompts, outputs, strict=True)]
 
 
 def one_update(model_dir: str, aggregation: str, n_rows: int) -> tuple[dict, dict]:
-    """One GRPO step's update_policy on a fixed rollout batch, off-policy (2 minibatches x 2 epochs) with a KL
-    reference: (the per-token and update sums, the new weights)."""
-    args = grpo.Args(model=model_dir, rollout_batch_size=8, group_size=2, train_batch_size=4, microbatch_size=2,
-                     epochs_per_rollout_batch=2, loss_aggregation=aggregation, beta=0.1, lr=1.0,
-                     max_tokens=16)  # fmt: skip
+    """One GRPO step's update_policy on a fixed rollout batch, off-policy (2 minibatches x 2 epochs)
+    with a KL reference: (the per-token and update sums, the new weights)."""
+    args = grpo.Args(
+        model=model_dir,
+        rollout_batch_size=8,
+        group_size=2,
+        train_batch_size=4,
+        microbatch_size=2,
+        epochs_per_rollout_batch=2,
+        loss_aggregation=aggregation,
+        beta=0.1,
+        lr=1.0,
+        max_tokens=16,
+    )
     policy, autocast = grpo.load_policy(model_dir, "cpu", False, 0)
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).requires_grad_(False)
-    # SGD: the weights move by the gradients themselves (Adam would blow a 1e-7 difference of a ~0 gradient up to lr)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).requires_grad_(
+        False
+    )
+    # SGD: the weights move by the gradients themselves (Adam would blow a 1e-7 difference of a ~0
+    # gradient up to lr)
     optimizer = torch.optim.SGD(policy.parameters(), lr=args.lr)
     scheduler = get_scheduler("constant", optimizer)
     batch, lengths = rollout_batch(n_rows)
-    sums, _ = grpo.update_policy(policy, reference, optimizer, scheduler, batch, lengths, args, 0, autocast, 0)
+    sums, _ = grpo.update_policy(
+        policy, reference, optimizer, scheduler, batch, lengths, args, 0, autocast, 0
+    )
     sums = {k: float(v) for k, v in sums.items()}
     return sums, {k: v.detach().clone() for k, v in policy.state_dict().items()}
 
 
 def rank_main(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
-    """A spawned rank: what torchrun would set, then the updates of test_two_ranks_make_one_ranks_update."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    grpo.RANK, grpo.WORLD_SIZE = rank, world_size  # read from the environment when grpo was imported
+    """A spawned rank: what torchrun would set, then the updates of
+    test_two_ranks_make_one_ranks_update."""
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    # read from the environment when grpo was imported
+    grpo.RANK, grpo.WORLD_SIZE = rank, world_size
     torch.set_num_threads(1)
     grpo.init_distributed(120)
     results = {(agg, n): one_update(model_dir, agg, n) for agg in AGGREGATIONS for n in (12, 3)}
@@ -73,15 +101,22 @@ def test_two_ranks_make_one_ranks_update(tiny_model_dir, tmp_path):
     mp.spawn(rank_main, args=(2, free_port(), str(tiny_model_dir), str(out)), nprocs=2)
     two_ranks = torch.load(out)
     for aggregation in AGGREGATIONS:
-        # 12 rows: 6 per minibatch, 3 per rank. 3 rows: minibatches of 2 and 1 (rank 1 trains on none of the second).
+        # 12 rows: 6 per minibatch, 3 per rank. 3 rows: minibatches of 2 and 1 (rank 1 trains on
+        # none of the second).
         for n_rows in (12, 3):
             sums, weights = one_update(str(tiny_model_dir), aggregation, n_rows)
             sums2, weights2 = two_ranks[aggregation, n_rows]
             assert sums2.keys() == sums.keys()
             for key, value in sums.items():
-                assert sums2[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (aggregation, n_rows, key)
+                assert sums2[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (
+                    aggregation,
+                    n_rows,
+                    key,
+                )
             assert sums["updates"] == 4 and sums["kl"] > 0  # 2 minibatches x 2 epochs
-            start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
+            start = AutoModelForCausalLM.from_pretrained(
+                tiny_model_dir, dtype=torch.float32
+            ).state_dict()
             moved = max((weights[k] - start[k]).abs().max().item() for k in weights)
             differ = max((weights2[k] - weights[k]).abs().max().item() for k in weights)
             assert moved > 1e-2 and differ < 1e-4 * moved, (aggregation, n_rows, moved, differ)
@@ -91,14 +126,61 @@ def test_two_ranks_make_one_ranks_update(tiny_model_dir, tmp_path):
 
 
 def torchrun(n_ranks: int, output_dir: Path, *extra: str, model: Path, fail: dict | None = None):
-    """`torchrun --nproc-per-node n_ranks` of grpo.py for 3 short steps, checkpointing each: (return code, output)."""
-    args = ["--model", str(model), "--output-dir", str(output_dir), "--dataset", "synthetic", "--template",
-            "question", "--n-grpo-steps", "3", "--rollout-batch-size", "16", "--group-size", "4", "--train-batch-size",
-            "8", "--microbatch-size", "4", "--max-tokens", "8", "--lr", "1e-2", "--eval-every", "2", "--n-eval", "2",
-            "--eval-max-tokens", "4", "--n-log-generations", "1", "--save-every", "1", *extra]  # fmt: skip
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", **(fail or {})}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n_ranks),
-               "--master-port", str(free_port()), str(ROOT / "tests" / "under_torchrun.py"), "grpo", *args]  # fmt: skip
+    """`torchrun --nproc-per-node n_ranks` of grpo.py for 3 short steps, checkpointing each: (return
+    code, output)."""
+    args = [
+        "--model",
+        str(model),
+        "--output-dir",
+        str(output_dir),
+        "--dataset",
+        "synthetic",
+        "--template",
+        "question",
+        "--n-grpo-steps",
+        "3",
+        "--rollout-batch-size",
+        "16",
+        "--group-size",
+        "4",
+        "--train-batch-size",
+        "8",
+        "--microbatch-size",
+        "4",
+        "--max-tokens",
+        "8",
+        "--lr",
+        "1e-2",
+        "--eval-every",
+        "2",
+        "--n-eval",
+        "2",
+        "--eval-max-tokens",
+        "4",
+        "--n-log-generations",
+        "1",
+        "--save-every",
+        "1",
+        *extra,
+    ]
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        **(fail or {}),
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(n_ranks),
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "tests" / "under_torchrun.py"),
+        "grpo",
+        *args,
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     return done.returncode, done.stdout + done.stderr
 
@@ -120,40 +202,67 @@ def test_two_ranks_run_as_one_rank_does(two_rank_run, tiny_model_dir, tmp_path):
     code, output = torchrun(1, tmp_path, model=tiny_model_dir)
     assert code == 0, output[-3000:]
     (one_rank_run,) = tmp_path.iterdir()
-    # The same questions, and the same samples: each rank generated its half with the same per-request seeds.
-    assert read_jsonl(two_rank_run / "rollouts.jsonl") == read_jsonl(one_rank_run / "rollouts.jsonl")
-    two, one = read_jsonl(two_rank_run / "metrics.jsonl"), read_jsonl(one_rank_run / "metrics.jsonl")
+    # The same questions, and the same samples: each rank generated its half with the same
+    # per-request seeds.
+    assert read_jsonl(two_rank_run / "rollouts.jsonl") == read_jsonl(
+        one_rank_run / "rollouts.jsonl"
+    )
+    two, one = (
+        read_jsonl(two_rank_run / "metrics.jsonl"),
+        read_jsonl(one_rank_run / "metrics.jsonl"),
+    )
     assert [m["step"] for m in two] == [0, 1, 2, 3]  # one record per step: rank 0 writes them
     for a, b in zip(two[1:], one[1:], strict=True):
         assert a["train/n_updates"] == b["train/n_updates"] == 2  # 2 minibatches of 8 responses
         for key in ("train/grad_norm", "train/entropy", "train/clip_fraction", "eval/accuracy"):
             assert a.get(key, -1.0) == pytest.approx(b.get(key, -1.0), rel=1e-4, abs=1e-6), key
-    assert all(m["reload/logprob_gap"] < 1e-3 for m in two)  # each rank checked its own engine, or it would have raised
-    final = lambda run: AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_000003").state_dict()
+    # each rank checked its own engine, or it would have raised
+    assert all(m["reload/logprob_gap"] < 1e-3 for m in two)
+    final = lambda run: AutoModelForCausalLM.from_pretrained(
+        run / "checkpoints" / "step_000003"
+    ).state_dict()
     two_weights, one_weights = final(two_rank_run), final(one_rank_run)
     assert max((two_weights[k] - one_weights[k]).abs().max().item() for k in one_weights) < 1e-4
 
 
-def test_a_rank_that_dies_stops_the_run_named_and_resume_finishes_it(two_rank_run, tiny_model_dir, tmp_path):
-    # Rank 1 is killed (SIGKILL) in step 2's evaluation, after the step-1 checkpoint: its 18th reward call (1 in the
-    # first evaluation, 8 a step, 1 in step 2's evaluation).
+def test_a_rank_that_dies_stops_the_run_named_and_resume_finishes_it(
+    two_rank_run, tiny_model_dir, tmp_path
+):
+    # Rank 1 is killed (SIGKILL) in step 2's evaluation, after the step-1 checkpoint: its 18th
+    # reward call (1 in the first evaluation, 8 a step, 1 in step 2's evaluation).
     t0 = time.time()
-    code, output = torchrun(2, tmp_path, model=tiny_model_dir, fail={"FAIL": "die", "FAIL_RANK": "1", "FAIL_AT": "18"})
-    assert code != 0 and "rank      : 1 (local_rank: 1)" in output and "SIGKILL" in output, output[-3000:]
+    code, output = torchrun(
+        2, tmp_path, model=tiny_model_dir, fail={"FAIL": "die", "FAIL_RANK": "1", "FAIL_AT": "18"}
+    )
+    assert code != 0 and "rank      : 1 (local_rank: 1)" in output and "SIGKILL" in output, output[
+        -3000:
+    ]
     print(f"killed run: {time.time() - t0:.0f} s")
     (run_dir,) = tmp_path.iterdir()
-    assert [path.name for path in grpo.checkpoints(run_dir)] == ["step_000001"]  # step 2's save never came
+    # step 2's save never came
+    assert [path.name for path in grpo.checkpoints(run_dir)] == ["step_000001"]
     code, output = torchrun(2, tmp_path, "--resume", str(run_dir), model=tiny_model_dir)
     assert code == 0 and "after step 1" in output, output[-3000:]
     assert read_jsonl(run_dir / "rollouts.jsonl") == read_jsonl(two_rank_run / "rollouts.jsonl")
-    steps = lambda run: [(m["step"], m.get("rollout/reward_mean")) for m in read_jsonl(run / "metrics.jsonl")]
+    steps = lambda run: [
+        (m["step"], m.get("rollout/reward_mean")) for m in read_jsonl(run / "metrics.jsonl")
+    ]
     assert steps(run_dir) == steps(two_rank_run)
 
 
 def test_a_rank_that_hangs_is_named_within_the_timeout(tiny_model_dir, tmp_path):
-    # Rank 1 stops itself (SIGSTOP) in step 1's scoring; rank 0 waits for it at the next gather for --rank-timeout-s.
+    # Rank 1 stops itself (SIGSTOP) in step 1's scoring; rank 0 waits for it at the next gather for
+    # --rank-timeout-s.
     t0 = time.time()
-    code, output = torchrun(2, tmp_path, "--rank-timeout-s", "10", model=tiny_model_dir,
-                            fail={"FAIL": "hang", "FAIL_RANK": "1", "FAIL_AT": "3"})  # fmt: skip
-    assert code != 0 and "Rank 1 failed to pass monitoredBarrier in 10000 ms" in output, output[-3000:]
+    code, output = torchrun(
+        2,
+        tmp_path,
+        "--rank-timeout-s",
+        "10",
+        model=tiny_model_dir,
+        fail={"FAIL": "hang", "FAIL_RANK": "1", "FAIL_AT": "3"},
+    )
+    assert code != 0 and "Rank 1 failed to pass monitoredBarrier in 10000 ms" in output, output[
+        -3000:
+    ]
     print(f"hung run stopped after {time.time() - t0:.0f} s")

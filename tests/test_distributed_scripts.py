@@ -1,6 +1,7 @@
-"""sft.py, expert_iter.py and distill.py under torchrun, on CPU with gloo: a whole run of 2 ranks, each with its own
-vLLM engine and half of each batch (expert_iter.py, distill.py: half of each step's questions), writes one run folder
-and makes the updates a run of 1 rank makes (tests/test_distributed.py does the same for grpo.py, and more)."""
+"""sft.py, expert_iter.py and distill.py under torchrun, on CPU with gloo: a whole run of 2 ranks,
+each with its own vLLM engine and half of each batch (expert_iter.py, distill.py: half of each
+step's questions), writes one run folder and makes the updates a run of 1 rank makes
+(tests/test_distributed.py does the same for grpo.py, and more)."""
 
 import json
 import os
@@ -14,25 +15,89 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["--dataset", "synthetic", "--template", "question", "--microbatch-size", "2", "--lr", "1e-3", "--n-eval",
-          "2", "--eval-max-tokens", "4", "--n-log-generations", "1"]  # fmt: skip
-# sft: 24 examples in 3 steps of 8, evaluated at 0, 2 and 3. expert_iter: 2 steps of 8 questions x 4 responses of 2
-# tokens (about half are all letters: reward 1, kept), in batches of 4.
+COMMON = [
+    "--dataset",
+    "synthetic",
+    "--template",
+    "question",
+    "--microbatch-size",
+    "2",
+    "--lr",
+    "1e-3",
+    "--n-eval",
+    "2",
+    "--eval-max-tokens",
+    "4",
+    "--n-log-generations",
+    "1",
+]
+# sft: 24 examples in 3 steps of 8, evaluated at 0, 2 and 3. expert_iter: 2 steps of 8 questions x 4
+# responses of 2 tokens (about half are all letters: reward 1, kept), in batches of 4.
 RUNS = {
-    "sft": (["--n-examples", "24", "--batch-size", "8", "--eval-every", "2", "--max-seq-len", "128"],
-            [0, 1, 2, 2, 3, 3], "checkpoints/step_000003",
-            ("train/loss", "train/grad_norm", "eval/accuracy", "eval/sample_token_entropy")),
-    "expert_iter": (["--n-ei-steps", "2", "--n-questions", "8", "--group-size", "4", "--max-tokens", "2",
-                     "--batch-size", "4", "--warmup-steps", "0", "--max-seq-len", "128"], [0, 1, 2],
-                    "checkpoints/step_000002",
-                    ("rollout/accuracy", "rollout/n_kept", "train/n_updates", "train/loss", "train/entropy",
-                     "train/grad_norm", "eval/accuracy")),
-    # distill: 2 steps of 4 questions x 4 responses of 8 tokens; the teacher: the tiny model, 4x sharper
-    "distill": (["--n-distill-steps", "2", "--rollout-batch-size", "16", "--group-size", "4", "--max-tokens", "8",
-                 "--eval-every", "2", "--lr", "1e-2"], [0, 1, 2], "checkpoints/step_000002",
-                ("train/loss", "train/grad_norm", "train/entropy", "rollout/reverse_kl", "eval/reverse_kl",
-                 "eval/accuracy")),
-}  # fmt: skip
+    "sft": (
+        ["--n-examples", "24", "--batch-size", "8", "--eval-every", "2", "--max-seq-len", "128"],
+        [0, 1, 2, 2, 3, 3],
+        "checkpoints/step_000003",
+        ("train/loss", "train/grad_norm", "eval/accuracy", "eval/sample_token_entropy"),
+    ),
+    "expert_iter": (
+        [
+            "--n-ei-steps",
+            "2",
+            "--n-questions",
+            "8",
+            "--group-size",
+            "4",
+            "--max-tokens",
+            "2",
+            "--batch-size",
+            "4",
+            "--warmup-steps",
+            "0",
+            "--max-seq-len",
+            "128",
+        ],
+        [0, 1, 2],
+        "checkpoints/step_000002",
+        (
+            "rollout/accuracy",
+            "rollout/n_kept",
+            "train/n_updates",
+            "train/loss",
+            "train/entropy",
+            "train/grad_norm",
+            "eval/accuracy",
+        ),
+    ),
+    # distill: 2 steps of 4 questions x 4 responses of 8 tokens; the teacher: the tiny model, 4x
+    # sharper
+    "distill": (
+        [
+            "--n-distill-steps",
+            "2",
+            "--rollout-batch-size",
+            "16",
+            "--group-size",
+            "4",
+            "--max-tokens",
+            "8",
+            "--eval-every",
+            "2",
+            "--lr",
+            "1e-2",
+        ],
+        [0, 1, 2],
+        "checkpoints/step_000002",
+        (
+            "train/loss",
+            "train/grad_norm",
+            "train/entropy",
+            "rollout/reverse_kl",
+            "eval/reverse_kl",
+            "eval/accuracy",
+        ),
+    ),
+}
 
 
 def free_port() -> int:
@@ -42,7 +107,8 @@ def free_port() -> int:
 
 
 def sharper_teacher(model: Path) -> Path:
-    """The model with its final norm 4x larger: sharper next-token distributions, the same tokens."""
+    """The model with its final norm 4x larger: sharper next-token distributions, the same
+    tokens."""
     teacher = model.parent / "sharper_teacher"
     if not teacher.exists():
         weights = AutoModelForCausalLM.from_pretrained(model)
@@ -54,12 +120,27 @@ def sharper_teacher(model: Path) -> Path:
 
 
 def torchrun(script: str, n_ranks: int, output_dir: Path, model: Path) -> Path:
-    """`torchrun --nproc-per-node n_ranks` of a script under tests/under_torchrun.py (letter-share reward): its run."""
+    """`torchrun --nproc-per-node n_ranks` of a script under tests/under_torchrun.py (letter-share
+    reward): its run."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n_ranks), "--master-port",
-               str(free_port()), str(ROOT / "tests" / "under_torchrun.py"), script, "--model", str(model),
-               "--output-dir", str(output_dir), *COMMON, *RUNS[script][0],
-               *(["--teacher", str(sharper_teacher(model))] if script == "distill" else [])]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(n_ranks),
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "tests" / "under_torchrun.py"),
+        script,
+        "--model",
+        str(model),
+        "--output-dir",
+        str(output_dir),
+        *COMMON,
+        *RUNS[script][0],
+        *(["--teacher", str(sharper_teacher(model))] if script == "distill" else []),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     (run_dir,) = output_dir.iterdir()  # one run folder, written by rank 0
@@ -75,18 +156,27 @@ def test_two_ranks_run_as_one_rank_does(script, tiny_model_dir, tmp_path):
     _, steps, last, keys = RUNS[script]
     two, one = (torchrun(script, n, tmp_path / f"{n}_ranks", tiny_model_dir) for n in (2, 1))
     metrics = {run: read_jsonl(run / "metrics.jsonl") for run in (two, one)}
-    assert [m["step"] for m in metrics[two]] == [m["step"] for m in metrics[one]] == steps  # rank 0's records only
+    # rank 0's records only
+    assert [m["step"] for m in metrics[two]] == [m["step"] for m in metrics[one]] == steps
     for a, b in zip(metrics[two], metrics[one], strict=True):
         for key in keys:
-            assert a.get(key, -1.0) == pytest.approx(b.get(key, -1.0), rel=1e-4, abs=1e-6), (a["step"], key)
-    if script == "expert_iter":  # every rank trained on the kept set gathered from all: the one 1 rank keeps
+            assert a.get(key, -1.0) == pytest.approx(b.get(key, -1.0), rel=1e-4, abs=1e-6), (
+                a["step"],
+                key,
+            )
+    # every rank trained on the kept set gathered from all: the one 1 rank keeps
+    if script == "expert_iter":
         assert read_jsonl(two / "kept.jsonl") == read_jsonl(one / "kept.jsonl")
         assert all(m["train/n_updates"] > 0 for m in metrics[one][1:])
-        assert any(m["rollout/n_kept"] % 4 == 1 for m in metrics[one][1:])  # a last batch of 1: rank 1 has no rows
+        # a last batch of 1: rank 1 has no rows
+        assert any(m["rollout/n_kept"] % 4 == 1 for m in metrics[one][1:])
     weights = lambda folder: AutoModelForCausalLM.from_pretrained(folder).state_dict()
-    start, two_weights, one_weights = (weights(folder) for folder in (tiny_model_dir, two / last, one / last))
+    start, two_weights, one_weights = (
+        weights(folder) for folder in (tiny_model_dir, two / last, one / last)
+    )
     moved = max((one_weights[k] - start[k]).abs().max().item() for k in start)
     differ = max((two_weights[k] - one_weights[k]).abs().max().item() for k in start)
-    # AdamW lifts a ~1e-7 difference of a near-0 gradient to a fraction of lr. Measured differ / moved: sft 2e-5,
-    # expert_iter 4e-3, distill 6e-3 (tests/test_distributed.py checks the gradients themselves, with SGD).
+    # AdamW lifts a ~1e-7 difference of a near-0 gradient to a fraction of lr. Measured differ /
+    # moved: sft 2e-5, expert_iter 4e-3, distill 6e-3 (tests/test_distributed.py checks the
+    # gradients themselves, with SGD).
     assert moved > 1e-3 and differ < 0.05 * moved, (moved, differ)

@@ -1,6 +1,7 @@
-"""eval.py: pass@k and majority vote by hand, summarize on hand-built records, two end-to-end runs with a real
-vLLM engine whose summary is recounted from the per-problem JSONL, argument errors caught before any engine, the
-baseline suite end to end, and the MATH k-shot prompt and answer reading against lm-eval 0.4.13's own code."""
+"""eval.py: pass@k and majority vote by hand, summarize on hand-built records, two end-to-end runs
+with a real vLLM engine whose summary is recounted from the per-problem JSONL, argument errors
+caught before any engine, the baseline suite end to end, and the MATH k-shot prompt and answer
+reading against lm-eval 0.4.13's own code."""
 
 import importlib.util
 import json
@@ -41,8 +42,11 @@ def test_pass_at_k_equals_the_binomial_formula():
             for k in range(1, n + 1):
                 exact = 1 - math.comb(n - c, k) / math.comb(n, k)
                 assert pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-12), (n, c, k)
-    # Large n, where the binomials have hundreds of digits: the product form stays finite and exact enough.
-    assert pass_at_k(1000, 3, 100) == pytest.approx(1 - math.comb(997, 100) / math.comb(1000, 100), rel=1e-12)
+    # Large n, where the binomials have hundreds of digits: the product form stays finite and exact
+    # enough.
+    assert pass_at_k(1000, 3, 100) == pytest.approx(
+        1 - math.comb(997, 100) / math.comb(1000, 100), rel=1e-12
+    )
 
 
 def test_pass_at_k_rejects_k_above_n():
@@ -66,14 +70,25 @@ def test_majority_vote():
 
 
 def _reward(extracted, reward):
-    return {"reward": reward, "format_reward": float(extracted is not None), "answer_reward": reward,
-            "extracted": extracted}  # fmt: skip
+    return {
+        "reward": reward,
+        "format_reward": float(extracted is not None),
+        "answer_reward": reward,
+        "extracted": extracted,
+    }
 
 
 def _record(id, extracted, rewards, **extra):
-    return {"id": id, "prompt": "p", "answer": "a", "responses": ["r"] * len(rewards),
-            "rewards": [_reward(e, r) for e, r in zip(extracted, rewards, strict=True)],
-            "n_tokens": [10] * len(rewards), "finish_reasons": ["stop"] * len(rewards), **extra}  # fmt: skip
+    return {
+        "id": id,
+        "prompt": "p",
+        "answer": "a",
+        "responses": ["r"] * len(rewards),
+        "rewards": [_reward(e, r) for e, r in zip(extracted, rewards, strict=True)],
+        "n_tokens": [10] * len(rewards),
+        "finish_reasons": ["stop"] * len(rewards),
+        **extra,
+    }
 
 
 HAND_RECORDS = [
@@ -91,9 +106,14 @@ def test_summarize_by_hand():
     assert metrics["eval/n_problems"] == 2 and metrics["eval/n_samples"] == 8
     assert metrics["eval/accuracy"] == 3 / 8
     assert metrics["eval/format_rate"] == 4 / 8
-    assert (metrics["eval/n_correct"], metrics["eval/n_formatted_wrong"], metrics["eval/n_unformatted"]) == (3, 1, 4)
+    assert (
+        metrics["eval/n_correct"],
+        metrics["eval/n_formatted_wrong"],
+        metrics["eval/n_unformatted"],
+    ) == (3, 1, 4)
     assert metrics["eval/pass@1"] == pytest.approx(3 / 8)  # (2/4 + 1/4) / 2
-    assert metrics["eval/pass@2"] == pytest.approx((5 / 6 + 1 / 2) / 2)  # 1 - C(2,2)/C(4,2), 1 - C(3,2)/C(4,2)
+    # 1 - C(2,2)/C(4,2), 1 - C(3,2)/C(4,2)
+    assert metrics["eval/pass@2"] == pytest.approx((5 / 6 + 1 / 2) / 2)
     assert metrics["eval/pass@4"] == 1.0
     assert (metrics["eval/maj@1"], metrics["eval/maj@2"], metrics["eval/maj@4"]) == (0.0, 0.5, 1.0)
     assert metrics["eval/truncated_rate"] == 1 / 8
@@ -105,7 +125,8 @@ def test_summarize_by_hand():
 
 def test_summarize_gsm8k_strict_and_flexible():
     records = [_record("a", ["18", None], [1.0, 0.0]), _record("b", [None, "4"], [0.0, 0.0])]
-    flexible = [[1.0, 1.0], [1.0, 0.0]]  # e.g. "The answer is 18." has no "####" but flexible-extract reads 18
+    # e.g. "The answer is 18." has no "####" but flexible-extract reads 18
+    flexible = [[1.0, 1.0], [1.0, 0.0]]
     for record, flex in zip(records, flexible, strict=True):
         for reward, f in zip(record["rewards"], flex, strict=True):
             reward["flexible_reward"] = f
@@ -123,19 +144,35 @@ def read_run(run_dir):
 
 
 def fake_score(response, example):
-    """A reward that depends on the response's length, so random text gets a mix of correct / wrong / unformatted."""
+    """A reward that depends on the response's length, so random text gets a mix of correct / wrong
+    / unformatted."""
     bucket = len(response) % 4
     extracted = None if bucket == 0 else str(bucket)
     reward = float(extracted == "1")
-    return {"reward": reward, "format_reward": float(extracted is not None), "answer_reward": reward,
-            "extracted": extracted}  # fmt: skip
+    return {
+        "reward": reward,
+        "format_reward": float(extracted is not None),
+        "answer_reward": reward,
+        "extracted": extracted,
+    }
 
 
 def test_end_to_end_synthetic_recount(tiny_model_dir, tmp_path, monkeypatch):
-    # The tiny model's weights are random, so the real verifier would give all zeros and recount nothing.
+    # The tiny model's weights are random, so the real verifier would give all zeros and recount
+    # nothing.
     monkeypatch.setattr(eval_script.verifiers, "score", fake_score)
-    args = Args(model=str(tiny_model_dir), dataset="synthetic", split="test", limit=16, template="r1_zero",
-                n=4, k=(1, 2, 4), temperature=1.0, max_tokens=12, out_dir=str(tmp_path))  # fmt: skip
+    args = Args(
+        model=str(tiny_model_dir),
+        dataset="synthetic",
+        split="test",
+        limit=16,
+        template="r1_zero",
+        n=4,
+        k=(1, 2, 4),
+        temperature=1.0,
+        max_tokens=12,
+        out_dir=str(tmp_path),
+    )
     run_dir = eval_script.main(args)
     assert run_dir.parent == tmp_path and "tiny-qwen3__synthetic_test__r1_zero__" in run_dir.name
     records, summary = read_run(run_dir)
@@ -148,14 +185,21 @@ def test_end_to_end_synthetic_recount(tiny_model_dir, tmp_path, monkeypatch):
     for record in records:
         assert len(record["responses"]) == len(record["rewards"]) == 4
         assert record["prompt"].endswith("Assistant: <think>")
-        assert record["rewards"] == [fake_score(text, None) for text in record["responses"]]  # aligned
+        # aligned
+        assert record["rewards"] == [fake_score(text, None) for text in record["responses"]]
         assert all(n_tokens <= 12 for n_tokens in record["n_tokens"])
         rewards += record["rewards"]
     n_correct = sum(r["reward"] == 1.0 for r in rewards)
     assert 0 < n_correct < len(rewards)  # a mix, or the recount below proves little
     assert metrics["eval/accuracy"] == pytest.approx(n_correct / 64)
-    assert metrics["eval/format_rate"] == pytest.approx(sum(r["extracted"] is not None for r in rewards) / 64)
-    breakdown = [metrics["eval/n_correct"], metrics["eval/n_formatted_wrong"], metrics["eval/n_unformatted"]]
+    assert metrics["eval/format_rate"] == pytest.approx(
+        sum(r["extracted"] is not None for r in rewards) / 64
+    )
+    breakdown = [
+        metrics["eval/n_correct"],
+        metrics["eval/n_formatted_wrong"],
+        metrics["eval/n_unformatted"],
+    ]
     assert breakdown == [
         n_correct,
         sum(r["extracted"] is not None and r["reward"] == 0.0 for r in rewards),
@@ -164,7 +208,9 @@ def test_end_to_end_synthetic_recount(tiny_model_dir, tmp_path, monkeypatch):
     assert sum(breakdown) == 64
     for k in (1, 2, 4):
         counts = [sum(r["reward"] == 1.0 for r in record["rewards"]) for record in records]
-        assert metrics[f"eval/pass@{k}"] == pytest.approx(sum(pass_at_k(4, c, k) for c in counts) / 16)
+        assert metrics[f"eval/pass@{k}"] == pytest.approx(
+            sum(pass_at_k(4, c, k) for c in counts) / 16
+        )
         maj = 0
         for record in records:
             votes = [r["extracted"] for r in record["rewards"][:k]]
@@ -173,12 +219,23 @@ def test_end_to_end_synthetic_recount(tiny_model_dir, tmp_path, monkeypatch):
         assert metrics[f"eval/maj@{k}"] == pytest.approx(maj / 16)
     assert metrics["eval/pass@1"] == pytest.approx(metrics["eval/accuracy"])
     assert metrics["eval/pass@1"] <= metrics["eval/pass@2"] <= metrics["eval/pass@4"]
-    assert {k: v for k, v in metrics.items() if not k.startswith("time/")} == summarize(records, (1, 2, 4))
+    assert {k: v for k, v in metrics.items() if not k.startswith("time/")} == summarize(
+        records, (1, 2, 4)
+    )
 
 
 def test_end_to_end_gsm8k_kshot(tiny_model_dir, shared_data, tmp_path):
-    args = Args(model=str(tiny_model_dir), dataset="gsm8k", split="test", data_dir=str(shared_data),
-                limit=4, template="gsm8k_kshot", n_shot=2, max_tokens=32, out_dir=str(tmp_path))  # fmt: skip
+    args = Args(
+        model=str(tiny_model_dir),
+        dataset="gsm8k",
+        split="test",
+        data_dir=str(shared_data),
+        limit=4,
+        template="gsm8k_kshot",
+        n_shot=2,
+        max_tokens=32,
+        out_dir=str(tmp_path),
+    )
     run_dir = eval_script.main(args)
     assert "__gsm8k_test__gsm8k_kshot2__" in run_dir.name
     records, summary = read_run(run_dir)
@@ -208,8 +265,14 @@ def test_end_to_end_gsm8k_kshot(tiny_model_dir, shared_data, tmp_path):
         ({"template": "alpaca"}, r"unknown template 'alpaca'"),
         ({"n": 2, "k": (1, 4), "temperature": 1.0}, r"k=4 must be between 1 and n=2"),
         ({"n": 4, "k": (1,)}, r"n=4 greedy samples"),
-        ({"dataset": "math500", "template": "hendrycks_math_kshot"}, r"hendrycks_math_kshot.*math500/test"),
-        ({"dataset": "math", "split": "train", "template": "hendrycks_math_kshot"}, r"not math/train"),
+        (
+            {"dataset": "math500", "template": "hendrycks_math_kshot"},
+            r"hendrycks_math_kshot.*math500/test",
+        ),
+        (
+            {"dataset": "math", "split": "train", "template": "hendrycks_math_kshot"},
+            r"not math/train",
+        ),
     ],
 )
 def test_errors_before_the_engine_starts(overrides, message, monkeypatch):
@@ -226,10 +289,13 @@ def test_errors_before_the_engine_starts(overrides, message, monkeypatch):
 
 
 def test_existing_folder_without_config_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(eval_script, "start_engine", lambda args: pytest.fail("the engine must not start"))
+    monkeypatch.setattr(
+        eval_script, "start_engine", lambda args: pytest.fail("the engine must not start")
+    )
     (tmp_path / "step_100").mkdir()
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"'step_100'.*config.json"):  # no "./", but the folder exists here
+    # no "./", but the folder exists here
+    with pytest.raises(ValueError, match=r"'step_100'.*config.json"):
         eval_script.main(Args(model="step_100"))
 
 
@@ -238,36 +304,65 @@ def test_existing_folder_without_config_is_an_error(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_long_model_dir(tmp_path_factory) -> Path:
-    """The tiny model with 4096 positions: its vocabulary is small, so GSM8K's 8-shot prompt is ~2,900 of its tokens."""
+    """The tiny model with 4096 positions: its vocabulary is small, so GSM8K's 8-shot prompt is
+    ~2,900 of its tokens."""
     import tiny_model
 
     out = tmp_path_factory.mktemp("tiny") / "tiny-qwen3-4k"
     return tiny_model.main(tiny_model.Args(out=str(out), max_position_embeddings=4096))
 
 
-def test_suite_one_engine_one_table(tiny_long_model_dir, shared_data, tmp_path, monkeypatch, capsys):
+def test_suite_one_engine_one_table(
+    tiny_long_model_dir, shared_data, tmp_path, monkeypatch, capsys
+):
     starts, start_engine = [], eval_script.start_engine
-    monkeypatch.setattr(eval_script, "start_engine", lambda args: starts.append(args) or start_engine(args))
-    args = Args(suite=True, model=str(tiny_long_model_dir), data_dir=str(shared_data), limit=2, max_tokens=16,
-                out_dir=str(tmp_path))  # fmt: skip
+    monkeypatch.setattr(
+        eval_script, "start_engine", lambda args: starts.append(args) or start_engine(args)
+    )
+    args = Args(
+        suite=True,
+        model=str(tiny_long_model_dir),
+        data_dir=str(shared_data),
+        limit=2,
+        max_tokens=16,
+        out_dir=str(tmp_path),
+    )
     suite_dir = eval_script.main(args)
-    assert len(starts) == 1 and suite_dir.parent == tmp_path and "tiny-qwen3-4k__suite__" in suite_dir.name
+    assert (
+        len(starts) == 1
+        and suite_dir.parent == tmp_path
+        and "tiny-qwen3-4k__suite__" in suite_dir.name
+    )
     table = capsys.readouterr().out.split("Qwen3-1.7B-Base (lm-eval)\n")[1]
     n_lines = 0
     for name, dataset, template, n_shot, _, references in SUITE:
         records, summary = read_run(suite_dir / name)
         row = summary["args"]
-        assert (row["dataset"], row["split"], row["template"], row["n_shot"]) == (dataset, "test", template, n_shot)
-        assert len(records) == 2 and all(n <= 16 for record in records for n in record["n_tokens"])  # --limit, cap
-        assert {k: v for k, v in summary["metrics"].items() if not k.startswith("time/")} == summarize(records)
-        for key, reference in references.items():  # our number (from summary.json) next to the reference
+        assert (row["dataset"], row["split"], row["template"], row["n_shot"]) == (
+            dataset,
+            "test",
+            template,
+            n_shot,
+        )
+        # --limit, cap
+        assert len(records) == 2 and all(n <= 16 for record in records for n in record["n_tokens"])
+        assert {
+            k: v for k, v in summary["metrics"].items() if not k.startswith("time/")
+        } == summarize(records)
+        # our number (from summary.json) next to the reference
+        for key, reference in references.items():
             ours = 100 * summary["metrics"][key]
-            assert re.search(rf"^{name} +{key} +{ours:.2f} +{reference:.2f}$", table, flags=re.MULTILINE), (name, key)
+            assert re.search(
+                rf"^{name} +{key} +{ours:.2f} +{reference:.2f}$", table, flags=re.MULTILINE
+            ), (name, key)
             n_lines += 1
     assert n_lines == 11  # GSM8K 3 x 2, MATH, IFEval 2, MBPP, HumanEval
     math_prompt = read_run(suite_dir / "math_4shot")[0][0]["prompt"]
     assert math_prompt.count("Problem: ") == 5 and math_prompt.endswith("\nAnswer:")
-    assert json.loads((suite_dir / "suite.json").read_text())["table"][6][:2] == ["math_4shot", "eval/accuracy"]
+    assert json.loads((suite_dir / "suite.json").read_text())["table"][6][:2] == [
+        "math_4shot",
+        "eval/accuracy",
+    ]
 
 
 # --- GSM8K and MATH k-shot prompts against lm-eval 0.4.13's own task objects, built offline on our local rows ---
@@ -301,10 +396,14 @@ def lm_eval_task(yaml_path: Path, rows):
 
 @pytest.mark.parametrize("k", [0, 4, 8])
 def test_gsm8k_prompt_is_lm_evals(k, shared_data):
-    """Every test question, with lm-eval's draws of shots (openai/gsm8k on the hub has the official files' order)."""
+    """Every test question, with lm-eval's draws of shots (openai/gsm8k on the hub has the official
+    files' order)."""
 
     def rows(split):
-        return [json.loads(line) for line in (shared_data / "gsm8k" / f"{split}.jsonl").read_text().splitlines()]
+        return [
+            json.loads(line)
+            for line in (shared_data / "gsm8k" / f"{split}.jsonl").read_text().splitlines()
+        ]
 
     task = lm_eval_task(LM_EVAL_TASKS / "gsm8k" / "gsm8k.yaml", rows)
     shots = data.gsm8k_lm_eval_fewshot(k, shared_data)
@@ -312,12 +411,14 @@ def test_gsm8k_prompt_is_lm_evals(k, shared_data):
     for doc, example in zip(task.test_docs(), tests, strict=True):
         ours = data.render_prompt(example, "gsm8k_kshot", fewshot=shots[example["id"]])
         assert ours == task.fewshot_context(doc, k), example["id"]
-    assert len({tuple(s["id"] for s in shot) for shot in shots.values()}) == (1 if k == 0 else len(tests))
+    assert len({tuple(s["id"] for s in shot) for shot in shots.values()}) == (
+        1 if k == 0 else len(tests)
+    )
 
 
 def lm_eval_math_task(subject: str, yaml_name: str, data_dir: Path):
-    """lm-eval's hendrycks_math task for one subject, on ../shared/data/math in the hub's row order (file names sorted
-    as strings, as EleutherAI/hendrycks_math's loader did)."""
+    """lm-eval's hendrycks_math task for one subject, on ../shared/data/math in the hub's row order
+    (file names sorted as strings, as EleutherAI/hendrycks_math's loader did)."""
 
     def rows(split):
         lines = (data_dir / "math" / f"{split}.jsonl").read_text().splitlines()
@@ -329,11 +430,14 @@ def lm_eval_math_task(subject: str, yaml_name: str, data_dir: Path):
 
 @pytest.fixture(scope="module")
 def math_shots_and_tests(shared_data):
-    return data.math_fewshot(4, shared_data), {ex["id"]: ex for ex in data.load("math", "test", shared_data)}
+    return data.math_fewshot(4, shared_data), {
+        ex["id"]: ex for ex in data.load("math", "test", shared_data)
+    }
 
 
-# lm-eval 0.4.13 builds every prompt of four subjects, and stops in three at the first problem with a shot whose
-# answer is "[-9, 9]"-like: its doc_to_target reads it as a Python list, and build_qa_turn asserts a string.
+# lm-eval 0.4.13 builds every prompt of four subjects, and stops in three at the first problem with
+# a shot whose answer is "[-9, 9]"-like: its doc_to_target reads it as a Python list, and
+# build_qa_turn asserts a string.
 @pytest.mark.parametrize(
     ("subject", "yaml_name", "n_built"),
     [
@@ -341,7 +445,8 @@ def math_shots_and_tests(shared_data):
         ("counting_and_probability", "hendrycks_math_counting_and_prob.yaml", 474),
         ("geometry", "hendrycks_math_geometry.yaml", 479),
         ("intermediate_algebra", "hendrycks_math_intermediate_algebra.yaml", 89),
-        ("number_theory", "hendrycks_math_num_theory.yaml", 540),  # 6 prompts with an empty-answer shot
+        # 6 prompts with an empty-answer shot
+        ("number_theory", "hendrycks_math_num_theory.yaml", 540),
         ("prealgebra", "hendrycks_math_prealgebra.yaml", 871),
         ("precalculus", "hendrycks_math_precalc.yaml", 121),
     ],
@@ -351,7 +456,9 @@ def test_math_prompt_is_lm_evals(subject, yaml_name, n_built, math_shots_and_tes
     task = lm_eval_math_task(subject, yaml_name, shared_data)
     docs = list(task.test_docs())
     for i, doc in enumerate(docs[:n_built]):
-        ours = data.render_prompt(tests[doc["unique_id"]], "hendrycks_math_kshot", fewshot=shots[doc["unique_id"]])
+        ours = data.render_prompt(
+            tests[doc["unique_id"]], "hendrycks_math_kshot", fewshot=shots[doc["unique_id"]]
+        )
         assert ours == task.fewshot_context(doc, 4), (subject, i)
     if n_built < len(docs):
         with pytest.raises(AssertionError, match=r"Answer is not a string! : \[-?\d+, -?\d+\]"):
@@ -365,7 +472,8 @@ def test_math_shot_answers_are_lm_evals(shared_data):
         assert data._lm_eval_math_answer(ex["solution"]) == theirs, ex["id"]
 
 
-# (response, gold, ours, lm-eval's): the answer is read as lm-eval reads it; the comparison is our MATH verifier's.
+# (response, gold, ours, lm-eval's): the answer is read as lm-eval reads it; the comparison is our
+# MATH verifier's.
 MATH_READS = [
     (" $\\frac{1}{2}$", "\\frac{1}{2}", 1, 1),
     (" 5\n\n", "5", 1, 1),  # no "$": the whole response
@@ -378,7 +486,8 @@ MATH_READS = [
     (" $\\frac{2}{4}$", "\\frac{1}{2}", 1, 0),  # ours compares numbers, lm-eval strings
     (" $10,080$", "10080", 1, 0),
     (" $\\{1,2\\}$", "\\{2,1\\}", 1, 0),  # ours: sets in any order
-    (" $x = \\text{Evelyn}$", "\\text{Evelyn}", 0, 1),  # ours takes the \text{} at the end for a unit
+    # ours takes the \text{} at the end for a unit
+    (" $x = \\text{Evelyn}$", "\\text{Evelyn}", 0, 1),
 ]
 
 
@@ -390,10 +499,14 @@ def test_math_answer_reading_vs_lm_eval(response, gold, ours, theirs):
 
 
 def test_math_every_gold_in_dollars_scores_as_in_lm_eval(shared_data):
-    """Every test gold as lm-eval's shots write answers (" $gold$"), and the next problem's gold: same verdicts."""
+    """Every test gold as lm-eval's shots write answers (" $gold$"), and the next problem's gold:
+    same verdicts."""
     utils = lm_eval_module("utils")
     tests = data.load("math", "test", shared_data)
     for i, example in enumerate(tests):
         for response in (f" ${example['answer']}$", f" ${tests[(i + 1) % len(tests)]['answer']}$"):
             ours = eval_script.hendrycks_math_score(response, example)["reward"]
-            assert ours == utils.process_results(example, [response])["exact_match"], (example["id"], response)
+            assert ours == utils.process_results(example, [response])["exact_match"], (
+                example["id"],
+                response,
+            )

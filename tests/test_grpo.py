@@ -1,13 +1,15 @@
-"""grpo.py: advantages and losses checked by hand on small tensors; the properties GRPO relies on (advantages sum to
-zero in a group, padding changes nothing, the on-policy clipped loss has the REINFORCE gradient, each loss aggregation
-gives the per-token weights of the docstring's table); and end-to-end runs with a real vLLM engine on the tiny model:
-the engine's weights change after every reload and follow the policy, a skipped reload stops the run, a resumed run
-ends exactly where an uninterrupted one does, non-finite updates are skipped and then stop the run.
+"""grpo.py: advantages and losses checked by hand on small tensors; the properties GRPO relies on
+(advantages sum to zero in a group, padding changes nothing, the on-policy clipped loss has the
+REINFORCE gradient, each loss aggregation gives the per-token weights of the docstring's table); and
+end-to-end runs with a real vLLM engine on the tiny model: the engine's weights change after every
+reload and follow the policy, a skipped reload stops the run, a resumed run ends exactly where an
+uninterrupted one does, non-finite updates are skipped and then stop the run.
 
-The tiny model's weights are random, so the real verifier gives reward 0 to every response: every group would have
-zero variance, no gradient, and the loop would train nothing. The end-to-end tests therefore replace verifiers.score
-with `letter_reward` (the share of letters in the response), which random text scores unevenly and a policy learns
-to raise within a few steps. That tests the loop's mechanics, not the verifier (tests/test_verifiers.py does that).
+The tiny model's weights are random, so the real verifier gives reward 0 to every response: every
+group would have zero variance, no gradient, and the loop would train nothing. The end-to-end tests
+therefore replace verifiers.score with `letter_reward` (the share of letters in the response), which
+random text scores unevenly and a policy learns to raise within a few steps. That tests the loop's
+mechanics, not the verifier (tests/test_verifiers.py does that).
 """
 
 import json
@@ -47,18 +49,27 @@ def test_group_normalized_rewards_by_hand():
     # Two groups of G = 3: rewards [1, 0, 0] and [1, 1, 1].
     responses = ["4", "5", "6", "7", "7", "7"]
     truths = ["4"] * 3 + ["7"] * 3
-    advantages, raw, meta = compute_group_normalized_rewards(exact_match, responses, truths, 3, 0.0, False)
+    advantages, raw, meta = compute_group_normalized_rewards(
+        exact_match, responses, truths, 3, 0.0, False
+    )
     assert raw.tolist() == [1, 0, 0, 1, 1, 1]
     # Group 1: mean 1/3, so A = [2/3, -1/3, -1/3]. Group 2: all equal, A = 0.
     assert advantages.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0, 0, 0])
-    # Unbiased std of [1, 0, 0]: sqrt(((2/3)^2 + 2 (1/3)^2) / (3 - 1)) = sqrt(1/3) = 0.57735; 2/3 / 0.57735 = 1.1547.
-    advantages, _, _ = compute_group_normalized_rewards(exact_match, responses, truths, 3, 1e-9, True)
-    assert advantages.tolist() == pytest.approx([1.1547005, -0.5773503, -0.5773503, 0, 0, 0])  # group 2: 0 / 1e-9
+    # Unbiased std of [1, 0, 0]: sqrt(((2/3)^2 + 2 (1/3)^2) / (3 - 1)) = sqrt(1/3) = 0.57735; 2/3 /
+    # 0.57735 = 1.1547.
+    advantages, _, _ = compute_group_normalized_rewards(
+        exact_match, responses, truths, 3, 1e-9, True
+    )
+    # group 2: 0 / 1e-9
+    assert advantages.tolist() == pytest.approx([1.1547005, -0.5773503, -0.5773503, 0, 0, 0])
     # eps is added to the std: 2/3 / (0.57735 + 0.1) = 0.98423.
-    advantages, _, meta = compute_group_normalized_rewards(exact_match, responses, truths, 3, 0.1, True)
+    advantages, _, meta = compute_group_normalized_rewards(
+        exact_match, responses, truths, 3, 0.1, True
+    )
     assert advantages[0].item() == pytest.approx((2 / 3) / (math.sqrt(1 / 3) + 0.1))
     assert advantages[3:].tolist() == [0, 0, 0]  # 0 / (0 + eps)
-    # Batch [1, 0, 0, 1, 1, 1]: mean 4/6; unbiased std sqrt((4 (1/3)^2 + 2 (2/3)^2) / 5) = sqrt(12/45) = 0.5164.
+    # Batch [1, 0, 0, 1, 1, 1]: mean 4/6; unbiased std sqrt((4 (1/3)^2 + 2 (2/3)^2) / 5) =
+    # sqrt(12/45) = 0.5164.
     assert meta["reward_mean"] == pytest.approx(4 / 6)
     assert meta["reward_std"] == pytest.approx(math.sqrt(12 / 45))
     assert (meta["reward_max"], meta["reward_min"]) == (1.0, 0.0)
@@ -75,11 +86,13 @@ def test_advantages_sum_to_zero_within_each_group(normalize_by_std):
     rewards[G : 2 * G] = 0.0  # an all-wrong group
     rewards[-G:] = torch.rand(G)  # real-valued rewards
     reward_fn = lambda response, truth: {"reward": float(response)}
-    advantages, _, meta = compute_group_normalized_rewards(reward_fn, rewards.tolist(), [None] * len(rewards), G,
-                                                           1e-6, normalize_by_std)  # fmt: skip
+    advantages, _, meta = compute_group_normalized_rewards(
+        reward_fn, rewards.tolist(), [None] * len(rewards), G, 1e-6, normalize_by_std
+    )
     sums = advantages.view(n_groups, G).sum(dim=1)
     assert torch.allclose(sums, torch.zeros(n_groups), atol=1e-5)
-    assert advantages[: 2 * G].tolist() == [0.0] * (2 * G)  # all-equal groups: exactly zero, not 0/0
+    # all-equal groups: exactly zero, not 0/0
+    assert advantages[: 2 * G].tolist() == [0.0] * (2 * G)
     assert meta["frac_zero_std_groups"] >= 2 / n_groups
 
 
@@ -97,7 +110,8 @@ def test_naive_policy_gradient_loss_by_hand():
     # -A log p: row 1: -2 * -1 = 2, -2 * -2 = 4; row 2: 1 * -0.5 = -0.5, 1 * -3 = -3.
     expected = torch.tensor([[2.0, 4.0], [-0.5, -3.0]])
     assert torch.equal(compute_naive_policy_gradient_loss(advantages, log_probs), expected)
-    assert torch.equal(compute_naive_policy_gradient_loss(advantages.view(-1), log_probs), expected)  # (B,) too
+    # (B,) too
+    assert torch.equal(compute_naive_policy_gradient_loss(advantages.view(-1), log_probs), expected)
 
 
 def ratios_to_log_probs(ratios):
@@ -110,16 +124,17 @@ def test_grpo_clip_loss_by_hand():
     log_probs, old = ratios_to_log_probs([[1.5, 0.9, 0.5], [1.5, 0.9, 0.5]])
     advantages = torch.tensor([[1.0], [-1.0]])
     loss, meta = compute_grpo_clip_loss(advantages, log_probs, old, 0.2)
-    # A = +1: -min(r, clip(r, 0.8, 1.2)): r 1.5 -> -min(1.5, 1.2) = -1.2 (clipped); 0.9 -> -0.9; 0.5 -> -min(0.5, 0.8)
-    #   = -0.5 (not clipped: the unclipped term is the smaller, the loss keeps pushing r up).
-    # A = -1: -min(-r, -clip(r)): 1.5 -> -min(-1.5, -1.2) = 1.5 (not clipped); 0.9 -> 0.9; 0.5 -> -min(-0.5, -0.8) =
-    #   0.8 (clipped).
+    # A = +1: -min(r, clip(r, 0.8, 1.2)): r 1.5 -> -min(1.5, 1.2) = -1.2 (clipped); 0.9 -> -0.9; 0.5
+    # -> -min(0.5, 0.8) = -0.5 (not clipped: the unclipped term is the smaller, the loss keeps
+    # pushing r up). A = -1: -min(-r, -clip(r)): 1.5 -> -min(-1.5, -1.2) = 1.5 (not clipped); 0.9 ->
+    # 0.9; 0.5 -> -min(-0.5, -0.8) = 0.8 (clipped).
     assert torch.allclose(loss, torch.tensor([[-1.2, -0.9, -0.5], [1.5, 0.9, 0.8]]))
     assert meta["clipped"].tolist() == [[True, False, False], [False, False, True]]
     assert meta["clipped_high"].tolist() == [[True, False, False], [False, False, False]]
     assert meta["clipped_low"].tolist() == [[False, False, False], [False, False, True]]
     assert torch.allclose(meta["ratio"], torch.tensor([[1.5, 0.9, 0.5], [1.5, 0.9, 0.5]]))
-    same, _ = compute_grpo_clip_loss(advantages.view(-1), log_probs, old, (0.2, 0.2))  # (B,) and a tuple
+    # (B,) and a tuple
+    same, _ = compute_grpo_clip_loss(advantages.view(-1), log_probs, old, (0.2, 0.2))
     assert torch.equal(same, loss)
 
 
@@ -129,13 +144,18 @@ def test_clip_higher_clips_at_the_asymmetric_bounds():
     advantages = torch.tensor([[1.0], [-1.0]])
     symmetric, sym_meta = compute_grpo_clip_loss(advantages, log_probs, old, 0.2)
     loss, meta = compute_grpo_clip_loss(advantages, log_probs, old, (0.2, 0.28))
-    # A = +1, bounds [0.8, 1.28]: 1.25 is inside (the symmetric 1.2 would clip it); 1.3 is clipped to 1.28.
+    # A = +1, bounds [0.8, 1.28]: 1.25 is inside (the symmetric 1.2 would clip it); 1.3 is clipped
+    # to 1.28.
     assert symmetric[0, 0].item() == pytest.approx(-1.2) and sym_meta["clipped_high"][0, 0]
     assert loss[0, :2].tolist() == pytest.approx([-1.25, -1.28])
     assert meta["clipped_high"][0].tolist() == [False, True, False]
-    # A = -1: the lower bound is still 0.8: r = 0.75 -> -min(-0.75, -0.8) = 0.8, clipped; nothing clipped above.
+    # A = -1: the lower bound is still 0.8: r = 0.75 -> -min(-0.75, -0.8) = 0.8, clipped; nothing
+    # clipped above.
     assert loss[1].tolist() == pytest.approx([1.25, 1.3, 0.8])
-    assert meta["clipped_low"][1].tolist() == [False, False, True] and not meta["clipped_high"][1].any()
+    assert (
+        meta["clipped_low"][1].tolist() == [False, False, True]
+        and not meta["clipped_high"][1].any()
+    )
     # A clipped token gets no gradient; the others get -A r (d(-A e^(log r)) / d log r).
     loss.sum().backward()
     assert torch.allclose(log_probs.grad, torch.tensor([[-1.25, 0.0, -0.75], [1.25, 1.3, 0.0]]))
@@ -146,13 +166,19 @@ def test_policy_gradient_loss_dispatch():
     rewards, advantages = torch.tensor([[1.0]]), torch.tensor([[0.5]])
     loss, _ = compute_policy_gradient_loss(log_probs, "no_baseline", raw_rewards=rewards)
     assert loss.tolist() == [[1.0, 2.0]]
-    loss, _ = compute_policy_gradient_loss(log_probs, "reinforce_with_baseline", advantages=advantages)
+    loss, _ = compute_policy_gradient_loss(
+        log_probs, "reinforce_with_baseline", advantages=advantages
+    )
     assert loss.tolist() == [[0.5, 1.0]]
-    loss, meta = compute_policy_gradient_loss(log_probs, "grpo_clip", advantages=advantages,
-                                              old_log_probs=log_probs, cliprange=0.2)  # fmt: skip
+    loss, meta = compute_policy_gradient_loss(
+        log_probs, "grpo_clip", advantages=advantages, old_log_probs=log_probs, cliprange=0.2
+    )
     assert loss.tolist() == [[-0.5, -0.5]] and not meta["clipped"].any()  # ratio 1: -A
-    for loss_type, kwargs in [("no_baseline", {"advantages": advantages}), ("grpo_clip", {"advantages": advantages}),
-                              ("reinforce_with_baseline", {"raw_rewards": rewards})]:  # fmt: skip
+    for loss_type, kwargs in [
+        ("no_baseline", {"advantages": advantages}),
+        ("grpo_clip", {"advantages": advantages}),
+        ("reinforce_with_baseline", {"raw_rewards": rewards}),
+    ]:
         with pytest.raises(ValueError, match="needs"):
             compute_policy_gradient_loss(log_probs, loss_type, **kwargs)
     with pytest.raises(ValueError, match="unknown loss_type"):
@@ -160,40 +186,52 @@ def test_policy_gradient_loss_dispatch():
 
 
 def test_gspo_loss_by_hand():
-    # Response 0: log p - log p_old = [ln 2, 0] over 2 tokens: s = exp(ln 2 / 2) = sqrt 2 = 1.41421; A = 1.
-    # Response 1: [ln 1/2] over 1 token (then padding, left out of the mean): s = 1/2; A = -1.
-    # Range 0.2: both clipped (sqrt 2 > 1.2, A > 0: -1.2; 1/2 < 0.8, A < 0: -min(-0.5, -0.8) = 0.8), no gradient.
-    # Range 10: unclipped, -s A on every token of the response; d/d log p_t = -A s / |o_i| = -0.70711 (row 0), and
-    # 1/2 / 1 = 0.5 (row 1), 0 on the padding.
+    # Response 0: log p - log p_old = [ln 2, 0] over 2 tokens: s = exp(ln 2 / 2) = sqrt 2 = 1.41421;
+    # A = 1. Response 1: [ln 1/2] over 1 token (then padding, left out of the mean): s = 1/2; A =
+    # -1. Range 0.2: both clipped (sqrt 2 > 1.2, A > 0: -1.2; 1/2 < 0.8, A < 0: -min(-0.5, -0.8) =
+    # 0.8), no gradient. Range 10: unclipped, -s A on every token of the response; d/d log p_t = -A
+    # s / |o_i| = -0.70711 (row 0), and 1/2 / 1 = 0.5 (row 1), 0 on the padding.
     old = torch.zeros(2, 2)
     mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
     advantages = torch.tensor([[1.0], [-1.0]])
     for cliprange, loss_0, loss_1, grad in [
         (0.2, -1.2, 0.8, [[0.0, 0.0], [0.0, 0.0]]),
         (10.0, -math.sqrt(2), 0.5, [[-math.sqrt(2) / 2] * 2, [0.5, 0.0]]),
-    ]:  # fmt: skip
+    ]:
         log_probs = torch.tensor([[math.log(2), 0.0], [-math.log(2), 5.0]], requires_grad=True)
-        loss, meta = compute_policy_gradient_loss(log_probs, "gspo", advantages=advantages, old_log_probs=old,
-                                                  cliprange=cliprange, response_mask=mask)  # fmt: skip
+        loss, meta = compute_policy_gradient_loss(
+            log_probs,
+            "gspo",
+            advantages=advantages,
+            old_log_probs=old,
+            cliprange=cliprange,
+            response_mask=mask,
+        )
         assert loss.shape == (2, 2) and loss[:, 0].tolist() == pytest.approx([loss_0, loss_1])
         assert meta["clipped"].all() == (cliprange == 0.2)
         loss[:, 0].sum().backward()  # one loss per response: its first token's
-        assert [row == pytest.approx(g) for row, g in zip(log_probs.grad.tolist(), grad, strict=True)] == [True, True]
+        assert [
+            row == pytest.approx(g) for row, g in zip(log_probs.grad.tolist(), grad, strict=True)
+        ] == [True, True]
     with pytest.raises(ValueError, match="needs response_mask"):
-        compute_policy_gradient_loss(old, "gspo", advantages=advantages, old_log_probs=old, cliprange=0.2)
+        compute_policy_gradient_loss(
+            old, "gspo", advantages=advantages, old_log_probs=old, cliprange=0.2
+        )
 
 
 def test_cispo_loss_keeps_the_gradient_of_clipped_tokens():
-    # p / p_old = [0.5 / 0.25, 0.5 / 0.5] = [2, 1]; range (1, 0.28): weights [1.28, 1] (detached); A = 2.
-    # loss = -w A log p = [-1.28 * 2 * ln 0.5, -2 ln 0.5] = [1.77446, 1.38629]; d/d log p = -w A = [-2.56, -2].
-    # grpo_clip on the same tokens: the first is clipped (r = 2 > 1.28, A > 0): gradient 0 there.
+    # p / p_old = [0.5 / 0.25, 0.5 / 0.5] = [2, 1]; range (1, 0.28): weights [1.28, 1] (detached); A
+    # = 2. loss = -w A log p = [-1.28 * 2 * ln 0.5, -2 ln 0.5] = [1.77446, 1.38629]; d/d log p = -w
+    # A = [-2.56, -2]. grpo_clip on the same tokens: the first is clipped (r = 2 > 1.28, A > 0):
+    # gradient 0 there.
     old = torch.tensor([[math.log(0.25), math.log(0.5)]])
     advantages = torch.tensor([[2.0]])
     grads = {}
     for loss_type in ("cispo", "grpo_clip"):
         log_probs = torch.full((1, 2), math.log(0.5), requires_grad=True)
-        loss, meta = compute_policy_gradient_loss(log_probs, loss_type, advantages=advantages, old_log_probs=old,
-                                                  cliprange=(1.0, 0.28))  # fmt: skip
+        loss, meta = compute_policy_gradient_loss(
+            log_probs, loss_type, advantages=advantages, old_log_probs=old, cliprange=(1.0, 0.28)
+        )
         loss.sum().backward()
         grads[loss_type] = log_probs.grad.tolist()[0]
         assert meta["clipped"].tolist() == [[True, False]]
@@ -204,17 +242,22 @@ def test_cispo_loss_keeps_the_gradient_of_clipped_tokens():
 
 
 def test_overlong_penalty_by_hand():
-    # max 10 tokens, buffer 4, penalty 0.5: free up to 6 tokens, then -0.5 (n - 6) / 4: 8 -> -0.25, 10 -> -0.5.
+    # max 10 tokens, buffer 4, penalty 0.5: free up to 6 tokens, then -0.5 (n - 6) / 4: 8 -> -0.25,
+    # 10 -> -0.5.
     n_tokens = torch.tensor([5, 6, 7, 8, 10])
     assert grpo.overlong_penalty(n_tokens, 10, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
-    assert grpo.overlong_penalty(n_tokens, 10, 0, 0.5).tolist() == [0.0] * 5  # buffer 0: off (10 tokens is the limit)
+    # buffer 0: off (10 tokens is the limit)
+    assert grpo.overlong_penalty(n_tokens, 10, 0, 0.5).tolist() == [0.0] * 5
 
 
 def test_k3_kl():
-    # d = log p_ref - log p = ln 2: e^d - d - 1 = 2 - ln 2 - 1 = 0.30685; d = -ln 2: 1/2 + ln 2 - 1 = 0.19315.
+    # d = log p_ref - log p = ln 2: e^d - d - 1 = 2 - ln 2 - 1 = 0.30685; d = -ln 2: 1/2 + ln 2 - 1
+    # = 0.19315.
     policy = torch.tensor([[0.0, 0.0]])
     ref = torch.tensor([[math.log(2), -math.log(2)]])
-    assert compute_k3_kl(policy, ref).tolist()[0] == pytest.approx([1 - math.log(2), math.log(2) - 0.5])
+    assert compute_k3_kl(policy, ref).tolist()[0] == pytest.approx(
+        [1 - math.log(2), math.log(2) - 0.5]
+    )
     torch.manual_seed(0)
     a, b = torch.randn(64, 32) * 3, torch.randn(64, 32) * 3
     assert (compute_k3_kl(a, b) >= 0).all()
@@ -226,18 +269,24 @@ def test_k3_kl():
 # The docstring's table: one batch of two responses of 4 and 7 tokens, padded to 9 positions.
 MASK = torch.tensor([[1] * 4 + [0] * 5, [1] * 7 + [0] * 2], dtype=torch.bool)
 WEIGHTS = {
-    "sequence_mean": torch.tensor([[1 / 8] * 4 + [0] * 5, [1 / 14] * 7 + [0] * 2]),  # 1 / (N |o_i|), N = 2
+    # 1 / (N |o_i|), N = 2
+    "sequence_mean": torch.tensor([[1 / 8] * 4 + [0] * 5, [1 / 14] * 7 + [0] * 2]),
     "token_mean": MASK / 11,  # 1 / (4 + 7)
     "constant": MASK / 16,  # 1 / (N L), L = 8
 }
 ADVANTAGES = torch.tensor([[1.5], [-2.0]])
 
 
-def train_step(log_probs, mask=MASK, advantages=ADVANTAGES, loss_type="reinforce_with_baseline", **kwargs):
-    """One microbatch step from leaf log-probs; returns (loss, gradient wrt the log-probs, metadata)."""
+def train_step(
+    log_probs, mask=MASK, advantages=ADVANTAGES, loss_type="reinforce_with_baseline", **kwargs
+):
+    """One microbatch step from leaf log-probs; returns (loss, gradient wrt the log-probs,
+    metadata)."""
     log_probs = log_probs.clone().requires_grad_(True)
     kwargs.setdefault("normalize_constant", 8)
-    loss, meta = grpo_microbatch_train_step(log_probs, mask, 1, loss_type, advantages=advantages, **kwargs)
+    loss, meta = grpo_microbatch_train_step(
+        log_probs, mask, 1, loss_type, advantages=advantages, **kwargs
+    )
     return loss, log_probs.grad, meta
 
 
@@ -248,31 +297,41 @@ def test_aggregation_weights_match_the_docstring_table(aggregation):
     loss, grad, _ = train_step(log_probs, loss_aggregation=aggregation)
     # loss = sum_it w_it (-A_i log p_it), so d loss / d log p_it = -A_i w_it, and 0 on padding.
     assert torch.allclose(grad, -ADVANTAGES * WEIGHTS[aggregation])
-    assert loss.item() == pytest.approx((WEIGHTS[aggregation] * -ADVANTAGES * log_probs).sum().item())
+    assert loss.item() == pytest.approx(
+        (WEIGHTS[aggregation] * -ADVANTAGES * log_probs).sum().item()
+    )
 
 
 def test_sequence_mean_default_is_cs336():
-    # With no batch counts given, sequence_mean is CS336's masked_mean(loss, mask, dim=-1).mean() / gas: each row's
-    # mean over its response tokens, then the mean over rows.
+    # With no batch counts given, sequence_mean is CS336's masked_mean(loss, mask, dim=-1).mean() /
+    # gas: each row's mean over its response tokens, then the mean over rows.
     torch.manual_seed(0)
     log_probs = -torch.rand(2, 9)
     log_probs_leaf = log_probs.clone().requires_grad_(True)
-    loss, _ = grpo_microbatch_train_step(log_probs_leaf, MASK, 4, "reinforce_with_baseline", advantages=ADVANTAGES)
+    loss, _ = grpo_microbatch_train_step(
+        log_probs_leaf, MASK, 4, "reinforce_with_baseline", advantages=ADVANTAGES
+    )
     expected = ((-ADVANTAGES * log_probs * MASK).sum(-1) / MASK.sum(-1)).mean() / 4
     assert loss.item() == pytest.approx(expected.item())
 
 
 @pytest.mark.parametrize("aggregation", list(WEIGHTS))
 def test_microbatches_accumulate_to_the_batch_gradient(aggregation):
-    # The batch in one microbatch, or in two microbatches of one response each (of different lengths) given the
-    # batch's counts: the same accumulated gradient.
+    # The batch in one microbatch, or in two microbatches of one response each (of different
+    # lengths) given the batch's counts: the same accumulated gradient.
     torch.manual_seed(0)
     log_probs = -torch.rand(2, 9)
     _, whole, _ = train_step(log_probs, loss_aggregation=aggregation)
     parts = []
     for i in range(2):
-        _, grad, _ = train_step(log_probs[i : i + 1], MASK[i : i + 1], ADVANTAGES[i : i + 1],
-                                loss_aggregation=aggregation, n_batch_sequences=2, n_batch_tokens=11)  # fmt: skip
+        _, grad, _ = train_step(
+            log_probs[i : i + 1],
+            MASK[i : i + 1],
+            ADVANTAGES[i : i + 1],
+            loss_aggregation=aggregation,
+            n_batch_sequences=2,
+            n_batch_tokens=11,
+        )
         parts.append(grad)
     assert torch.allclose(torch.cat(parts), whole)
 
@@ -282,26 +341,40 @@ def test_microbatches_accumulate_to_the_batch_gradient(aggregation):
 def test_padding_changes_neither_loss_nor_gradient(aggregation, loss_type):
     torch.manual_seed(0)
     log_probs, old = -torch.rand(2, 9), -torch.rand(2, 9)
-    kwargs = {"loss_type": loss_type, "loss_aggregation": aggregation, "old_log_probs": old, "cliprange": 0.2}
+    kwargs = {
+        "loss_type": loss_type,
+        "loss_aggregation": aggregation,
+        "old_log_probs": old,
+        "cliprange": 0.2,
+    }
     loss, grad, _ = train_step(log_probs, **kwargs)
     # Three more positions, masked out, with arbitrary (finite) values in every input.
     pad = torch.tensor([[-50.0, 3.0, -0.1], [7.0, -9.0, 0.0]])
     padded_mask = torch.cat([MASK, torch.zeros(2, 3, dtype=torch.bool)], dim=1)
     kwargs["old_log_probs"] = torch.cat([old, pad.flip(0)], dim=1)
-    padded_loss, padded_grad, _ = train_step(torch.cat([log_probs, pad], dim=1), padded_mask, **kwargs)
+    padded_loss, padded_grad, _ = train_step(
+        torch.cat([log_probs, pad], dim=1), padded_mask, **kwargs
+    )
     assert padded_loss.item() == pytest.approx(loss.item(), abs=1e-7)
-    assert torch.allclose(padded_grad[:, :9], grad) and torch.equal(padded_grad[:, 9:], torch.zeros(2, 3))
+    assert torch.allclose(padded_grad[:, :9], grad) and torch.equal(
+        padded_grad[:, 9:], torch.zeros(2, 3)
+    )
 
 
 @pytest.mark.parametrize("aggregation", list(WEIGHTS))
 def test_on_policy_clipped_loss_has_the_reinforce_gradient(aggregation):
-    # First step on a rollout batch: policy == old policy, ratio 1. Clipping is inactive and d(r A)/d log p = A r = A:
-    # the same gradient as -A log p, and a clip fraction of 0.
+    # First step on a rollout batch: policy == old policy, ratio 1. Clipping is inactive and d(r
+    # A)/d log p = A r = A: the same gradient as -A log p, and a clip fraction of 0.
     torch.manual_seed(0)
     log_probs = -torch.rand(2, 9)
     _, reinforce, _ = train_step(log_probs, loss_aggregation=aggregation)
-    _, clipped, meta = train_step(log_probs, loss_type="grpo_clip", old_log_probs=log_probs.clone(), cliprange=0.2,
-                                  loss_aggregation=aggregation)  # fmt: skip
+    _, clipped, meta = train_step(
+        log_probs,
+        loss_type="grpo_clip",
+        old_log_probs=log_probs.clone(),
+        cliprange=0.2,
+        loss_aggregation=aggregation,
+    )
     assert torch.allclose(clipped, reinforce, atol=1e-7)
     assert not meta["clipped"].any()
 
@@ -311,11 +384,16 @@ def test_kl_penalty_in_the_step():
     log_probs, ref = -torch.rand(2, 9), -torch.rand(2, 9)
     base_loss, base_grad, _ = train_step(log_probs, loss_aggregation="token_mean")
     # ref == policy: k3 = 0 and its gradient 1 - e^0 = 0, so nothing changes.
-    loss, grad, meta = train_step(log_probs, loss_aggregation="token_mean", ref_log_probs=log_probs.clone(), beta=0.1)
+    loss, grad, meta = train_step(
+        log_probs, loss_aggregation="token_mean", ref_log_probs=log_probs.clone(), beta=0.1
+    )
     assert loss.item() == pytest.approx(base_loss.item()) and torch.allclose(grad, base_grad)
     assert torch.equal(meta["kl"], torch.zeros(2, 9))
-    # Otherwise the loss grows by beta * (token mean of k3), and d k3 / d log p = 1 - exp(ref - log p).
-    loss, grad, meta = train_step(log_probs, loss_aggregation="token_mean", ref_log_probs=ref, beta=0.1)
+    # Otherwise the loss grows by beta * (token mean of k3), and d k3 / d log p = 1 - exp(ref - log
+    # p).
+    loss, grad, meta = train_step(
+        log_probs, loss_aggregation="token_mean", ref_log_probs=ref, beta=0.1
+    )
     kl = compute_k3_kl(log_probs, ref)
     assert loss.item() == pytest.approx(base_loss.item() + 0.1 * (kl * MASK).sum().item() / 11)
     assert torch.allclose(grad, base_grad + 0.1 * (1 - torch.exp(ref - log_probs)) * MASK / 11)
@@ -324,29 +402,42 @@ def test_kl_penalty_in_the_step():
 
 
 def test_is_correction_in_the_step_by_hand():
-    # token_mean, -A log p: d loss / d log p_it = -A_i v_it / 11, v the capped weight; the KL term is not weighted.
+    # token_mean, -A log p: d loss / d log p_it = -A_i v_it / 11, v the capped weight; the KL term
+    # is not weighted.
     torch.manual_seed(0)
     log_probs = -torch.rand(2, 9)
     engine = log_probs.clone()
-    engine[0, 1], engine[1, 0] = log_probs[0, 1] - math.log(1.5), log_probs[1, 0] - math.log(5.0)  # v = 1.5, 2 (cap)
-    kwargs = {"loss_aggregation": "token_mean", "old_log_probs": log_probs.clone(), "engine_log_probs": engine}
+    # v = 1.5, 2 (cap)
+    engine[0, 1], engine[1, 0] = log_probs[0, 1] - math.log(1.5), log_probs[1, 0] - math.log(5.0)
+    kwargs = {
+        "loss_aggregation": "token_mean",
+        "old_log_probs": log_probs.clone(),
+        "engine_log_probs": engine,
+    }
     _, grad, meta = train_step(log_probs, is_cap=2.0, **kwargs)
     v = torch.ones(2, 9)
     v[0, 1], v[1, 0] = 1.5, 2.0
     assert torch.allclose(grad, -ADVANTAGES * v * MASK / 11)
-    assert meta["above_is_cap"].sum() == 1 and meta["above_is_cap"][1, 0]  # the ratio 5 > 2 is counted...
-    assert meta["engine_gap"][1, 0].item() == pytest.approx(math.log(5.0), rel=1e-5)  # ...and the gap is |log 5|
+    # the ratio 5 > 2 is counted...
+    assert meta["above_is_cap"].sum() == 1 and meta["above_is_cap"][1, 0]
+    # ...and the gap is |log 5|
+    assert meta["engine_gap"][1, 0].item() == pytest.approx(math.log(5.0), rel=1e-5)
     # Off (is_cap None): the same gradient as without engine log-probs, but the gap is still logged.
     _, grad_off, meta_off = train_step(log_probs, **kwargs)
     _, grad_none, _ = train_step(log_probs, loss_aggregation="token_mean")
-    assert torch.equal(grad_off, grad_none) and "above_is_cap" not in meta_off and "engine_gap" in meta_off
+    assert (
+        torch.equal(grad_off, grad_none)
+        and "above_is_cap" not in meta_off
+        and "engine_gap" in meta_off
+    )
     with pytest.raises(ValueError, match="old_log_probs"):
         train_step(log_probs, engine_log_probs=engine, is_cap=2.0)
 
 
 def test_groups_with_signal():
-    # Groups of 2: all correct, all wrong, mixed. With an advantage only the mixed group has a gradient; with
-    # no_baseline (-r log p) the all-correct group has one too (dropping it would bias REINFORCE), the all-wrong none.
+    # Groups of 2: all correct, all wrong, mixed. With an advantage only the mixed group has a
+    # gradient; with no_baseline (-r log p) the all-correct group has one too (dropping it would
+    # bias REINFORCE), the all-wrong none.
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
     assert groups_with_signal(rewards, 2, "no_baseline").tolist() == [True, False, True]
     for loss_type in ("reinforce_with_baseline", "grpo_clip"):
@@ -354,8 +445,9 @@ def test_groups_with_signal():
 
 
 def test_cosine_schedule_reaches_zero_when_updates_are_skipped():
-    # 4 GRPO steps of 2 optimizer steps; step 2 trains nothing (no group with signal). The schedule follows GRPO
-    # steps: at the end the learning rate is 0, and step 3 starts where an uninterrupted schedule would.
+    # 4 GRPO steps of 2 optimizer steps; step 2 trains nothing (no group with signal). The schedule
+    # follows GRPO steps: at the end the learning rate is 0, and step 3 starts where an
+    # uninterrupted schedule would.
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     scheduler = transformers.get_scheduler("cosine", optimizer, 0, 8)  # as grpo.main makes it
     lrs = []
@@ -365,29 +457,52 @@ def test_cosine_schedule_reaches_zero_when_updates_are_skipped():
             scheduler.step()
         grpo.catch_up_scheduler(scheduler, step + 1, 2)
     expected = [0.5 * (1 + math.cos(math.pi * k / 8)) for k in (0, 1, 4, 5, 6, 7)]
-    assert lrs == pytest.approx(expected) and scheduler.get_last_lr()[0] == pytest.approx(0, abs=1e-12)
+    assert lrs == pytest.approx(expected) and scheduler.get_last_lr()[0] == pytest.approx(
+        0, abs=1e-12
+    )
 
 
 def test_step_metrics_by_hand():
-    # step_metrics divides the update's per-token sums by the token count: entropy 14 over 6 tokens, no token clipped;
-    # 2 updates.
-    sums = {"loss": 0.5, "grad_norm": 3.0, "updates": 2, "positions": 12, "entropy": 14.0, "clipped": 0.0,
-            "tokens": 6.0, "ratio": 6.0}  # fmt: skip
-    completions = [SimpleNamespace(token_ids=[1] * n, finish_reason=r) for n, r in ((3, "stop"), (5, "length"))]
+    # step_metrics divides the update's per-token sums by the token count: entropy 14 over 6 tokens,
+    # no token clipped; 2 updates.
+    sums = {
+        "loss": 0.5,
+        "grad_norm": 3.0,
+        "updates": 2,
+        "positions": 12,
+        "entropy": 14.0,
+        "clipped": 0.0,
+        "tokens": 6.0,
+        "ratio": 6.0,
+    }
+    completions = [
+        SimpleNamespace(token_ids=[1] * n, finish_reason=r) for n, r in ((3, "stop"), (5, "length"))
+    ]
     extra = {"time/generate": 2.0, "time/train": 4.0}
-    m = grpo.step_metrics({"reward_mean": 0.5}, completions, 2, sums, extra, grpo.Args(epochs_per_rollout_batch=1))
+    m = grpo.step_metrics(
+        {"reward_mean": 0.5}, completions, 2, sums, extra, grpo.Args(epochs_per_rollout_batch=1)
+    )
     assert m["train/entropy"] == pytest.approx(14 / 6) and m["train/clip_fraction"] == 0.0
     assert (m["train/loss"], m["train/grad_norm"], m["train/n_updates"]) == (0.25, 1.5, 2)
-    assert (m["rollout/response_length"], m["rollout/truncation_rate"], m["rollout/tokens_per_second"]) == (4, 0.5, 4)
-    assert m["train/tokens_per_second"] == 3.0 and m["rollout/reward_mean"] == 0.5  # 12 positions / 4 s
+    assert (
+        m["rollout/response_length"],
+        m["rollout/truncation_rate"],
+        m["rollout/tokens_per_second"],
+    ) == (4, 0.5, 4)
+    # 12 positions / 4 s
+    assert m["train/tokens_per_second"] == 3.0 and m["rollout/reward_mean"] == 0.5
 
 
 def test_chunked_entropy_and_log_probs_at_temperature_one():
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 7) * 3
-    assert torch.equal(grpo.compute_entropy(logits, chunk_size=3), grpo.compute_entropy(logits, chunk_size=10))
+    assert torch.equal(
+        grpo.compute_entropy(logits, chunk_size=3), grpo.compute_entropy(logits, chunk_size=10)
+    )
     p = torch.softmax(logits, dim=-1)
-    assert torch.allclose(grpo.compute_entropy(logits, chunk_size=3), -(p * p.log()).sum(-1), atol=1e-5)
+    assert torch.allclose(
+        grpo.compute_entropy(logits, chunk_size=3), -(p * p.log()).sum(-1), atol=1e-5
+    )
 
 
 def test_unknown_aggregation_and_missing_constant():
@@ -401,29 +516,40 @@ def test_unknown_aggregation_and_missing_constant():
 
 
 def test_collate_token_ids_keeps_eos_when_pad_is_eos():
-    # Token 0 is both EOS and pad (as in Qwen3 base models). Response 1 ends with EOS; response 2 is cut short.
+    # Token 0 is both EOS and pad (as in Qwen3 base models). Response 1 ends with EOS; response 2 is
+    # cut short.
     batch = collate_token_ids([[5, 6], [5]], [[7, 0], [9]], pad_id=0)
     assert batch["input_ids"].tolist() == [[5, 6, 7], [5, 9, 0]]
     assert batch["labels"].tolist() == [[6, 7, 0], [9, 0, 0]]
-    # The EOS label of row 1 is in the mask although its id equals the pad id; row 2's padding is not.
+    # The EOS label of row 1 is in the mask although its id equals the pad id; row 2's padding is
+    # not.
     assert batch["response_mask"].tolist() == [[False, True, True], [True, False, False]]
 
 
 def test_questions_of_a_step():
-    task = lambda sizes: grpo.data.Task(names=[f"d{d}" for d in range(len(sizes))], weights=[1.0] * len(sizes),
-                                        templates={}, train=[{"id": i} for i in range(sum(sizes))], sizes=sizes,
-                                        orders=[None] * len(sizes), evals={})  # fmt: skip
+    task = lambda sizes: grpo.data.Task(
+        names=[f"d{d}" for d in range(len(sizes))],
+        weights=[1.0] * len(sizes),
+        templates={},
+        train=[{"id": i} for i in range(sum(sizes))],
+        sizes=sizes,
+        orders=[None] * len(sizes),
+        evals={},
+    )
     draw = lambda seed, step: task([100]).questions(8, 4, seed, step)
     examples, seeds = draw(1, 3)
     assert (examples, seeds) == draw(1, 3)  # a resumed run replays it
     assert len({ex["id"] for ex in examples}) == 8
-    assert all(b - a == 4 for a, b in zip(seeds, seeds[1:], strict=False))  # vLLM uses seed .. seed + n - 1
+    # vLLM uses seed .. seed + n - 1
+    assert all(b - a == 4 for a, b in zip(seeds, seeds[1:], strict=False))
     assert draw(1, 4) != (examples, seeds)
     assert draw(2, 3) != (examples, seeds)
     # A mixture: the datasets' examples lie one after another (sizes 100, 50, 30)
     picks, _ = grpo.data.mixture_questions_and_seeds([100, 50, 30], [1, 1, 1], 16, 4, 1, 3)
     examples, _ = task([100, 50, 30]).questions(16, 4, 1, 3)
-    assert [ex["id"] for ex in examples] == [[0, 100, 150][d] + i for d, i in picks] and {d for d, _ in picks} == {
+    assert [ex["id"] for ex in examples] == [[0, 100, 150][d] + i for d, i in picks] and {
+        d for d, _ in picks
+    } == {
         0,
         1,
         2,
@@ -439,7 +565,10 @@ def test_questions_of_a_step():
         ({"loss_type": "ppo"}, "unknown loss_type"),
         ({"loss_aggregation": "sum"}, "unknown loss_aggregation"),
         ({"overlong_buffer": 2048}, "overlong_buffer"),
-        ({"dynamic_sampling": True, "drop_zero_variance_groups": False}, "drops zero-variance groups"),
+        (
+            {"dynamic_sampling": True, "drop_zero_variance_groups": False},
+            "drops zero-variance groups",
+        ),
         ({"temperature": 0.0}, "temperature"),
         ({"lr_schedule": "linear"}, "unknown lr_schedule"),
     ],
@@ -454,25 +583,42 @@ def test_argument_errors_before_the_engine_starts(overrides, message, monkeypatc
 
 
 def letter_reward(response, example):
-    """Test-only reward: the share of letters in the response. Random text scores unevenly: groups carry a signal."""
+    """Test-only reward: the share of letters in the response. Random text scores unevenly: groups
+    carry a signal."""
     reward = sum(c.isalpha() for c in response) / max(len(response), 1)
     return {"reward": reward, "format_reward": 0.0, "answer_reward": reward}
 
 
 def tiny_args(tiny_model_dir, tmp_path, **overrides):
     # The "question" template: short prompts (~30 tokens, not ~120) make every forward pass cheaper.
-    args = dict(model=str(tiny_model_dir), dataset="synthetic", template="question", output_dir=str(tmp_path),
-                n_grpo_steps=3, rollout_batch_size=16, group_size=4, train_batch_size=16, microbatch_size=16,
-                max_tokens=8, lr=1e-2, eval_every=1000, n_eval=2, eval_max_tokens=4, n_log_generations=1)  # fmt: skip
+    args = dict(
+        model=str(tiny_model_dir),
+        dataset="synthetic",
+        template="question",
+        output_dir=str(tmp_path),
+        n_grpo_steps=3,
+        rollout_batch_size=16,
+        group_size=4,
+        train_batch_size=16,
+        microbatch_size=16,
+        max_tokens=8,
+        lr=1e-2,
+        eval_every=1000,
+        n_eval=2,
+        eval_max_tokens=4,
+        n_log_generations=1,
+    )
     return Args(**{**args, **overrides})
 
 
 @pytest.fixture
 def small_train_split(monkeypatch):
-    """The first 256 synthetic train problems, not 20,000: main() tokenizes every train prompt once (to size the
-    engine's context), which takes seconds on a CPU."""
+    """The first 256 synthetic train problems, not 20,000: main() tokenizes every train prompt once
+    (to size the engine's context), which takes seconds on a CPU."""
     load = grpo.data.load
-    monkeypatch.setattr(grpo.data, "load", lambda name, split, data_dir=None: load(name, split, data_dir)[:256])
+    monkeypatch.setattr(
+        grpo.data, "load", lambda name, split, data_dir=None: load(name, split, data_dir)[:256]
+    )
 
 
 def read_jsonl(path):
@@ -480,28 +626,42 @@ def read_jsonl(path):
 
 
 def engine_log_probs(llm, token_ids):
-    """The engine's log-prob of each token of a fixed sequence given the ones before (prompt log-probs): (L - 1,)."""
-    output = llm.generate([TokensPrompt(prompt_token_ids=token_ids)], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                          use_tqdm=False)[0]  # fmt: skip
-    return torch.tensor([lp[t].logprob for lp, t in zip(output.prompt_logprobs[1:], token_ids[1:], strict=True)])
+    """The engine's log-prob of each token of a fixed sequence given the ones before (prompt
+    log-probs): (L - 1,)."""
+    output = llm.generate(
+        [TokensPrompt(prompt_token_ids=token_ids)],
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+        use_tqdm=False,
+    )[0]
+    return torch.tensor(
+        [lp[t].logprob for lp, t in zip(output.prompt_logprobs[1:], token_ids[1:], strict=True)]
+    )
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    """One engine on the tiny model for the tests that talk to an engine directly. They come first: a run's engine
-    (each run starts its own) tears down vLLM's process-wide parallel state, and this one cannot be used after it."""
+    """One engine on the tiny model for the tests that talk to an engine directly. They come first:
+    a run's engine (each run starts its own) tears down vLLM's process-wide parallel state, and this
+    one cannot be used after it."""
     return grpo.init_vllm(str(tiny_model_dir), "cpu", 0, 0.3, 512)
 
 
 def test_seeded_sampling_is_reproducible_even_when_prompts_overflow_a_scheduler_step(llm):
-    # 40 prompts x 2 samples x 150 tokens = 12,000 prompt tokens: more than one scheduler step takes (4096 on CPU).
-    # With chunked prefill (vLLM's default) a split prompt made seeded sampling crash on CPU ("CPU Generator does not
-    # use offset"); init_vllm turns it off there.
-    prompts = [TokensPrompt(prompt_token_ids=[(7 * i + j) % 400 + 3 for j in range(150)]) for i in range(40)]
+    # 40 prompts x 2 samples x 150 tokens = 12,000 prompt tokens: more than one scheduler step takes
+    # (4096 on CPU). With chunked prefill (vLLM's default) a split prompt made seeded sampling crash
+    # on CPU ("CPU Generator does not use offset"); init_vllm turns it off there.
+    prompts = [
+        TokensPrompt(prompt_token_ids=[(7 * i + j) % 400 + 3 for j in range(150)])
+        for i in range(40)
+    ]
 
     def sample(first_seed):
         params = [SamplingParams(n=2, max_tokens=4, seed=first_seed + 2 * i) for i in range(40)]
-        return [list(c.token_ids) for out in llm.generate(prompts, params, use_tqdm=False) for c in out.outputs]
+        return [
+            list(c.token_ids)
+            for out in llm.generate(prompts, params, use_tqdm=False)
+            for c in out.outputs
+        ]
 
     first = sample(0)
     assert sample(0) == first  # the same seeds give the same samples
@@ -509,20 +669,27 @@ def test_seeded_sampling_is_reproducible_even_when_prompts_overflow_a_scheduler_
 
 
 def test_trainer_log_probs_at_the_sampling_temperature_match_the_engines(llm, tiny_model_dir):
-    # The engine samples from softmax(logits / T); asked for "processed" log-probs it reports that distribution. The
-    # trainer's get_response_log_probs(..., temperature=T) must give the same numbers, or the ratio would not start
-    # at 1 (trl#4159). Without the temperature (T = 1) they differ: the check has teeth.
+    # The engine samples from softmax(logits / T); asked for "processed" log-probs it reports that
+    # distribution. The trainer's get_response_log_probs(..., temperature=T) must give the same
+    # numbers, or the ratio would not start at 1 (trl#4159). Without the temperature (T = 1) they
+    # differ: the check has teeth.
     prompt_ids = list(range(5, 45))
     params = SamplingParams(n=4, temperature=0.7, top_p=1.0, max_tokens=8, logprobs=0, seed=3)
     output = llm.generate([TokensPrompt(prompt_token_ids=prompt_ids)], params, use_tqdm=False)[0]
     policy = grpo.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     for completion in output.outputs:
         ids = list(completion.token_ids)
-        engine = torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, ids, strict=True)])
+        engine = torch.tensor(
+            [lp[t].logprob for lp, t in zip(completion.logprobs, ids, strict=True)]
+        )
         full = torch.tensor([prompt_ids + ids])
         with torch.no_grad():
-            at = {t: grpo.get_response_log_probs(policy, full[:, :-1], full[:, 1:], temperature=t)["log_probs"][0]
-                  for t in (0.7, 1.0)}  # fmt: skip
+            at = {
+                t: grpo.get_response_log_probs(policy, full[:, :-1], full[:, 1:], temperature=t)[
+                    "log_probs"
+                ][0]
+                for t in (0.7, 1.0)
+            }
         assert (engine - at[0.7][-len(ids) :]).abs().max() < 1e-4
         assert (engine - at[1.0][-len(ids) :]).abs().max() > 1e-2
 
@@ -535,12 +702,16 @@ def test_reload_check_is_exact_and_covers_every_weight(llm, tiny_model_dir, monk
     assert grpo.reload_and_check(policy, llm, probe, "cpu", 1e-3) <= 1e-5
     assert grpo.weights_that_differ(policy, llm, "cpu") == []
 
-    # Coverage: zero the engine's weights (vLLM's reset_weights), reload: any tensor the reload missed would stay zero.
+    # Coverage: zero the engine's weights (vLLM's reset_weights), reload: any tensor the reload
+    # missed would stay zero.
     llm.collective_rpc("reset_weights")
-    assert grpo.probe_gap(policy, llm, probe, "cpu") > 1e-3 and grpo.weights_that_differ(policy, llm, "cpu")
+    assert grpo.probe_gap(policy, llm, probe, "cpu") > 1e-3 and grpo.weights_that_differ(
+        policy, llm, "cpu"
+    )
     assert grpo.reload_and_check(policy, llm, probe, "cpu", 1e-3) <= 1e-5
 
-    # A step far below what the log-prob probe sees, not reloaded: the weights read back still differ.
+    # A step far below what the log-prob probe sees, not reloaded: the weights read back still
+    # differ.
     with torch.no_grad():
         policy.model.norm.weight.add_(1e-6)
         policy.model.layers[0].input_layernorm.weight.add_(1e-6)
@@ -552,7 +723,8 @@ def test_reload_check_is_exact_and_covers_every_weight(llm, tiny_model_dir, monk
         with pytest.raises(RuntimeError, match="does not follow.*model.norm.weight"):
             grpo.reload_and_check(policy, llm, probe, "cpu", 1e-3)
 
-    # A reload that leaves one tensor out, after a reset: that tensor stays zero, the check names it.
+    # A reload that leaves one tensor out, after a reset: that tensor stays zero, the check names
+    # it.
     missing, real_rpc = "model.layers.1.post_attention_layernorm.weight", llm.collective_rpc
     drop = lambda weights: [(n, t) for n, t in weights if n != missing]
     rpc = lambda method, kwargs=None: real_rpc(
@@ -568,7 +740,9 @@ def test_reload_check_is_exact_and_covers_every_weight(llm, tiny_model_dir, monk
 
 
 @pytest.mark.usefixtures("small_train_split")
-def test_engine_weights_change_and_follow_the_policy_every_step(tiny_model_dir, tmp_path, monkeypatch):
+def test_engine_weights_change_and_follow_the_policy_every_step(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     monkeypatch.setattr(grpo.verifiers, "score", letter_reward)
     real_load, real_check = grpo.load_policy_into_vllm, grpo.reload_and_check
     token_ids = list(range(3, 200))
@@ -589,12 +763,16 @@ def test_engine_weights_change_and_follow_the_policy_every_step(tiny_model_dir, 
 
     monkeypatch.setattr(grpo, "load_policy_into_vllm", load_and_compare)
     monkeypatch.setattr(grpo, "reload_and_check", check_and_record)
-    run_dir = grpo.main(tiny_args(tiny_model_dir, tmp_path, n_grpo_steps=6, loss_aggregation="sequence_mean"))
+    run_dir = grpo.main(
+        tiny_args(tiny_model_dir, tmp_path, n_grpo_steps=6, loss_aggregation="sequence_mean")
+    )
 
-    assert len(reloads) == 7 and len(gaps) == 7  # at the start (the same weights), then after every step
+    # at the start (the same weights), then after every step
+    assert len(reloads) == 7 and len(gaps) == 7
     assert reloads[0][0] < 1e-6  # the start: the engine loaded the same checkpoint
     for changed, engine_vs_trainer in reloads:
-        assert changed > 1e-3 or changed is reloads[0][0]  # after a step the engine's log-probs moved: new weights
+        # after a step the engine's log-probs moved: new weights
+        assert changed > 1e-3 or changed is reloads[0][0]
         assert engine_vs_trainer < 1e-4  # ...and they are the trainer's
     assert max(gaps) < 1e-4
 
@@ -604,11 +782,21 @@ def test_engine_weights_change_and_follow_the_policy_every_step(tiny_model_dir, 
     for m in steps:
         assert m["train/n_updates"] == 1 and m["train/grad_norm"] > 0
         assert m["train/clip_fraction"] == 0  # on-policy: ratio 1
-        # The engine's log-probs of its sampled tokens are the trainer's (float32, T = 1): the IS weights are ~1.
+        # The engine's log-probs of its sampled tokens are the trainer's (float32, T = 1): the IS
+        # weights are ~1.
         assert m["train/engine_logprob_gap"] < 1e-5 and m["train/frac_above_is_cap"] == 0
-        assert {"rollout/reward_mean", "rollout/truncation_rate", "rollout/frac_zero_std_groups", "train/entropy",
-                "time/generate", "time/train", "time/reload", "rollout/tokens_per_second"} <= set(m)  # fmt: skip
-    # The reward rose: the policy writes more letters after 6 steps (measured: 0.65 0.66 0.69 0.71 0.75 0.75).
+        assert {
+            "rollout/reward_mean",
+            "rollout/truncation_rate",
+            "rollout/frac_zero_std_groups",
+            "train/entropy",
+            "time/generate",
+            "time/train",
+            "time/reload",
+            "rollout/tokens_per_second",
+        } <= set(m)
+    # The reward rose: the policy writes more letters after 6 steps (measured: 0.65 0.66 0.69 0.71
+    # 0.75 0.75).
     rewards = [m["rollout/reward_mean"] for m in steps]
     assert sum(rewards[-2:]) > sum(rewards[:2]), rewards
     assert "eval/accuracy" in metrics[0] and "eval/accuracy" in steps[-1]
@@ -616,67 +804,103 @@ def test_engine_weights_change_and_follow_the_policy_every_step(tiny_model_dir, 
     rollouts = read_jsonl(run_dir / "rollouts.jsonl")
     assert len(rollouts) == 6 * 4  # one line per group
     for group in rollouts:
-        assert group["rewards"] == pytest.approx([letter_reward(r, None)["reward"] for r in group["responses"]])
+        assert group["rewards"] == pytest.approx(
+            [letter_reward(r, None)["reward"] for r in group["responses"]]
+        )
         assert sum(group["advantages"]) == pytest.approx(0, abs=1e-5)
-        assert group["trained"] == [len(set(group["rewards"])) > 1] * 4  # zero-variance groups are left out
+        # zero-variance groups are left out
+        assert group["trained"] == [len(set(group["rewards"])) > 1] * 4
         assert all(n <= 8 for n in group["n_tokens"])
 
 
 @pytest.mark.usefixtures("small_train_split")
-def test_cosine_learning_rate_reaches_zero_when_no_step_trains(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    # Every response scores 0: every group is dropped and no optimizer step is taken; the schedule still follows the
-    # GRPO steps, or the learning rate would never reach 0. Nothing changed, so the engine is not reloaded.
-    monkeypatch.setattr(grpo.verifiers, "score", lambda response, example: {"reward": 0.0, "format_reward": 0.0})
+def test_cosine_learning_rate_reaches_zero_when_no_step_trains(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    # Every response scores 0: every group is dropped and no optimizer step is taken; the schedule
+    # still follows the GRPO steps, or the learning rate would never reach 0. Nothing changed, so
+    # the engine is not reloaded.
+    monkeypatch.setattr(
+        grpo.verifiers, "score", lambda response, example: {"reward": 0.0, "format_reward": 0.0}
+    )
     loads = []
     monkeypatch.setattr(grpo, "load_policy_into_vllm", lambda *a: loads.append(1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        run_dir = grpo.main(tiny_args(tiny_model_dir, tmp_path, n_grpo_steps=2, lr_schedule="cosine"))
-    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]  # PyTorch's warning is not shown
+        run_dir = grpo.main(
+            tiny_args(tiny_model_dir, tmp_path, n_grpo_steps=2, lr_schedule="cosine")
+        )
+    # PyTorch's warning is not shown
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
     steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["step"] > 0]
     assert [m["train/n_updates"] for m in steps] == [0, 0]
     assert [m["train/lr"] for m in steps] == pytest.approx([0.5e-2, 0.0], abs=1e-12)
-    assert len(loads) == 1 and [m["reload/logprob_gap"] for m in steps] == [None, None]  # only the start's reload
+    # only the start's reload
+    assert len(loads) == 1 and [m["reload/logprob_gap"] for m in steps] == [None, None]
     assert capsys.readouterr().out.count("nothing trained: no group with a reward signal") == 2
 
 
 @pytest.mark.usefixtures("small_train_split")
 def test_resume_ends_where_an_uninterrupted_run_does(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(grpo.verifiers, "score", letter_reward)
-    # Off-policy on purpose (2 minibatches x 2 epochs): the minibatch order and the optimizer state must replay too.
-    kwargs = dict(n_grpo_steps=2, save_every=1, train_batch_size=8, epochs_per_rollout_batch=2, beta=0.05)
+    # Off-policy on purpose (2 minibatches x 2 epochs): the minibatch order and the optimizer state
+    # must replay too.
+    kwargs = dict(
+        n_grpo_steps=2, save_every=1, train_batch_size=8, epochs_per_rollout_batch=2, beta=0.05
+    )
     full = grpo.main(tiny_args(tiny_model_dir, tmp_path / "full", **kwargs))
 
-    # Stop the second run during step 2, after its rollouts are written: it restarts from the step-1 checkpoint.
+    # Stop the second run during step 2, after its rollouts are written: it restarts from the step-1
+    # checkpoint.
     with interrupted_at_call(grpo, "reload_and_check", 3):  # at the start, after steps 1 and 2
         grpo.main(tiny_args(tiny_model_dir, tmp_path / "stopped", **kwargs))
     (stopped,) = (tmp_path / "stopped").iterdir()
     assert len(read_jsonl(stopped / "rollouts.jsonl")) == 2 * 4  # step 2's rollouts were written
-    resumed = grpo.main(tiny_args(tiny_model_dir, tmp_path / "stopped", resume=str(stopped), **kwargs))
+    resumed = grpo.main(
+        tiny_args(tiny_model_dir, tmp_path / "stopped", resume=str(stopped), **kwargs)
+    )
     assert resumed == stopped
 
-    # The same questions and the same samples (vLLM reproduces them from the per-request seeds), so the same weights.
+    # The same questions and the same samples (vLLM reproduces them from the per-request seeds), so
+    # the same weights.
     assert read_jsonl(resumed / "rollouts.jsonl") == read_jsonl(full / "rollouts.jsonl")
     final = {}
     for name, run in [("full", full), ("resumed", resumed)]:
-        model = grpo.AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_000002", dtype=torch.float32)
+        model = grpo.AutoModelForCausalLM.from_pretrained(
+            run / "checkpoints" / "step_000002", dtype=torch.float32
+        )
         final[name] = model.state_dict()
     for key, value in final["full"].items():
         assert torch.allclose(final["resumed"][key], value, atol=1e-6), key
-    start = grpo.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).state_dict()
-    assert any(not torch.equal(start[key], value) for key, value in final["full"].items())  # it did train
-    logged = lambda run: [(m["step"], m.get("rollout/reward_mean")) for m in read_jsonl(run / "metrics.jsonl")]
-    assert logged(resumed) == logged(full)  # one record per step, no leftovers of the stopped step 2
+    start = grpo.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32
+    ).state_dict()
+    # it did train
+    assert any(not torch.equal(start[key], value) for key, value in final["full"].items())
+    logged = lambda run: [
+        (m["step"], m.get("rollout/reward_mean")) for m in read_jsonl(run / "metrics.jsonl")
+    ]
+    # one record per step, no leftovers of the stopped step 2
+    assert logged(resumed) == logged(full)
     last = read_jsonl(full / "metrics.jsonl")[-1]
-    assert last["train/n_updates"] == 4 and last["train/kl"] > 0  # 2 epochs x 2 minibatches; the policy has moved
+    # 2 epochs x 2 minibatches; the policy has moved
+    assert last["train/n_updates"] == 4 and last["train/kl"] > 0
 
 
 @pytest.mark.usefixtures("small_train_split")
-def test_dynamic_sampling_fills_the_batch_with_signal_and_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch):
-    # Only the questions with an even id digit sum carry a signal (letter_reward); the others score 0 throughout. A
-    # draw of 4 questions holds ~2 such groups: the step draws again until 4 groups have a signal, at most 4 times.
-    signal, zero = lambda example: sum(map(ord, str(example["id"]))) % 2 == 0, {"reward": 0.0, "format_reward": 0.0}
-    monkeypatch.setattr(grpo.verifiers, "score", lambda r, ex: letter_reward(r, ex) if signal(ex) else zero)
+def test_dynamic_sampling_fills_the_batch_with_signal_and_resumes_exactly(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    # Only the questions with an even id digit sum carry a signal (letter_reward); the others score
+    # 0 throughout. A draw of 4 questions holds ~2 such groups: the step draws again until 4 groups
+    # have a signal, at most 4 times.
+    signal, zero = (
+        lambda example: sum(map(ord, str(example["id"]))) % 2 == 0,
+        {"reward": 0.0, "format_reward": 0.0},
+    )
+    monkeypatch.setattr(
+        grpo.verifiers, "score", lambda r, ex: letter_reward(r, ex) if signal(ex) else zero
+    )
     kwargs = dict(n_grpo_steps=2, save_every=1, dynamic_sampling=True, max_draws=4)
     full = grpo.main(tiny_args(tiny_model_dir, tmp_path / "full", **kwargs))
     rollouts, metrics = read_jsonl(full / "rollouts.jsonl"), read_jsonl(full / "metrics.jsonl")[1:]
@@ -685,15 +909,19 @@ def test_dynamic_sampling_fills_the_batch_with_signal_and_resumes_exactly(tiny_m
         assert len(groups) == 4 * m["rollout/n_draws"]  # whole draws of 4 questions
         trained = [any(g["trained"]) for g in groups]
         with_signal = [len(set(g["rewards"])) > 1 for g in groups]
-        assert trained == [s and sum(with_signal[: i + 1]) <= 4 for i, s in enumerate(with_signal)]  # the first 4
+        # the first 4
+        assert trained == [s and sum(with_signal[: i + 1]) <= 4 for i, s in enumerate(with_signal)]
         assert sum(trained) == 4 or m["rollout/n_draws"] == 4
     assert max(m["rollout/n_draws"] for m in metrics) > 1
 
-    # Stopped during step 2 and resumed: the same draws (from seed, step and the draw's index), the same samples.
+    # Stopped during step 2 and resumed: the same draws (from seed, step and the draw's index), the
+    # same samples.
     with interrupted_at_call(grpo, "reload_and_check", 3):
         grpo.main(tiny_args(tiny_model_dir, tmp_path / "stopped", **kwargs))
     (stopped,) = (tmp_path / "stopped").iterdir()
-    resumed = grpo.main(tiny_args(tiny_model_dir, tmp_path / "stopped", resume=str(stopped), **kwargs))
+    resumed = grpo.main(
+        tiny_args(tiny_model_dir, tmp_path / "stopped", resume=str(stopped), **kwargs)
+    )
     assert read_jsonl(resumed / "rollouts.jsonl") == rollouts
 
 
@@ -702,7 +930,10 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tiny_model_dir, tmp_pa
     nan_reward = lambda response, example: {"reward": float("nan"), "format_reward": 0.0}
     monkeypatch.setattr(grpo.verifiers, "score", nan_reward)
     args = tiny_args(tiny_model_dir, tmp_path, train_batch_size=4, drop_zero_variance_groups=False)
-    with pytest.warns(UserWarning, match="not finite"), pytest.raises(RuntimeError, match="3 non-finite updates"):
+    with (
+        pytest.warns(UserWarning, match="not finite"),
+        pytest.raises(RuntimeError, match="3 non-finite updates"),
+    ):
         grpo.main(args)
 
 
@@ -710,14 +941,21 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tiny_model_dir, tmp_pa
 
 
 def test_devices_compare_as_devices_not_strings():
-    # "cuda" and "cuda:0" are one GPU: the engine must take the shared share (0.3), not 0.85 of the trainer's GPU.
+    # "cuda" and "cuda:0" are one GPU: the engine must take the shared share (0.3), not 0.85 of the
+    # trainer's GPU.
     devices = lambda policy, engine, memory=None, tol=None: grpo.resolve_devices(
-        Args(policy_device=policy, vllm_device=engine, vllm_gpu_memory_utilization=memory, reload_tol=tol)
+        Args(
+            policy_device=policy,
+            vllm_device=engine,
+            vllm_gpu_memory_utilization=memory,
+            reload_tol=tol,
+        )
     )
     assert devices("cuda", "cuda:0") == ("cuda:0", "cuda:0", 0.3, 0.5)
     assert devices("cuda:0", "cuda")[2] == 0.3
     assert devices("cuda:0", "cuda:1")[2] == 0.85
-    # bf16 on a GPU stops at a median gap of 0.5, far beyond its noise; float32 on CPU at 1e-3; an explicit one stays.
+    # bf16 on a GPU stops at a median gap of 0.5, far beyond its noise; float32 on CPU at 1e-3; an
+    # explicit one stays.
     assert devices("cpu", "cpu") == ("cpu", "cpu", 0.3, 1e-3)
     assert devices("cuda:0", "cuda:1", 0.5, 0.2)[2:] == (0.5, 0.2)
 
@@ -725,17 +963,23 @@ def test_devices_compare_as_devices_not_strings():
 def test_resume_restores_the_runs_arguments_and_refuses_conflicting_ones(tmp_path, monkeypatch):
     run = tmp_path / "grpo__1__1"
     run.mkdir()
-    (run / "args.json").write_text(json.dumps(grpo.asdict(Args(model="runs/sft-x", dataset="synthetic", lr=1e-4))))
+    (run / "args.json").write_text(
+        json.dumps(grpo.asdict(Args(model="runs/sft-x", dataset="synthetic", lr=1e-4)))
+    )
     restored = grpo.restore_args(Args(resume=str(run), vllm_device="cpu"))
-    assert (restored.model, restored.dataset, restored.lr) == ("runs/sft-x", "synthetic", 1e-4)  # the run's, not ours
+    # the run's, not ours
+    assert (restored.model, restored.dataset, restored.lr) == ("runs/sft-x", "synthetic", 1e-4)
     assert restored.vllm_device == "cpu" and restored.resume == str(run)  # where it runs may change
-    assert grpo.restore_args(Args(resume=str(run), lr=1e-4)).lr == 1e-4  # repeating the run's value is no conflict
+    # repeating the run's value is no conflict
+    assert grpo.restore_args(Args(resume=str(run), lr=1e-4)).lr == 1e-4
     monkeypatch.setattr(grpo, "init_vllm", lambda *a: pytest.fail("the engine must not start"))
     with pytest.raises(ValueError, match=r"--lr 0\.5 \(the run has 0\.0001\)"):
         grpo.main(Args(resume=str(run), lr=0.5))
 
 
-def test_checkpoints_beyond_the_newest_are_deleted_and_resume_uses_the_newest(tiny_model_dir, tmp_path):
+def test_checkpoints_beyond_the_newest_are_deleted_and_resume_uses_the_newest(
+    tiny_model_dir, tmp_path
+):
     policy = grpo.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tokenizer = grpo.AutoTokenizer.from_pretrained(tiny_model_dir)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
@@ -744,18 +988,29 @@ def test_checkpoints_beyond_the_newest_are_deleted_and_resume_uses_the_newest(ti
         policy(torch.tensor([[1, 2, 3]])).logits.sum().backward()
         optimizer.step()
         grpo.save_checkpoint(tmp_path, step, policy, tokenizer, optimizer, scheduler, keep=2)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000003", "step_000004"]
-    (tmp_path / "checkpoints" / "step_000005.tmp").mkdir()  # a save that was killed: not a checkpoint
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step_000003",
+        "step_000004",
+    ]
+    # a save that was killed: not a checkpoint
+    (tmp_path / "checkpoints" / "step_000005.tmp").mkdir()
     assert [p.name for p in grpo.checkpoints(tmp_path)] == ["step_000003", "step_000004"]
     fresh = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    assert grpo.resume_from(tmp_path, fresh, transformers.get_constant_schedule_with_warmup(fresh, 0)) == 4
-    assert fresh.state_dict()["state"][0]["step"].item() == 4  # the optimizer state of the newest checkpoint
-    grpo.save_checkpoint(tmp_path, 5, policy, tokenizer, optimizer, scheduler, keep=0)  # 0: keep them all
+    assert (
+        grpo.resume_from(tmp_path, fresh, transformers.get_constant_schedule_with_warmup(fresh, 0))
+        == 4
+    )
+    # the optimizer state of the newest checkpoint
+    assert fresh.state_dict()["state"][0]["step"].item() == 4
+    # 0: keep them all
+    grpo.save_checkpoint(tmp_path, 5, policy, tokenizer, optimizer, scheduler, keep=0)
     assert len(grpo.checkpoints(tmp_path)) == 3
 
 
 @pytest.mark.usefixtures("small_train_split")
-def test_skipped_reload_is_caught_at_a_learning_rate_the_probe_cannot_see(tiny_model_dir, tmp_path, monkeypatch):
+def test_skipped_reload_is_caught_at_a_learning_rate_the_probe_cannot_see(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     monkeypatch.setattr(grpo.verifiers, "score", letter_reward)
     monkeypatch.setattr(grpo, "load_policy_into_vllm", lambda policy, llm, device: None)
     real_gap, gaps = grpo.probe_gap, []

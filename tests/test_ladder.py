@@ -1,5 +1,6 @@
-"""ladder.py end to end on tiny budgets: every stage runs as a subprocess, the table matches the evaluations, the plot
-is a PNG, and a resumed ladder reruns nothing. (The ladder's real numbers are in the README, not asserted here.)"""
+"""ladder.py end to end on tiny budgets: every stage runs as a subprocess, the table matches the
+evaluations, the plot is a PNG, and a resumed ladder reruns nothing. (The ladder's real numbers are
+in the README, not asserted here.)"""
 
 import json
 
@@ -12,7 +13,14 @@ def test_ladder_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     for name in ladder.PIN_ISA:
         monkeypatch.delenv(name, raising=False)
     args = ladder.Args(
-        seed=3, output_dir=str(tmp_path), n_layers=2, sft_examples=64, ei_steps=1, grpo_steps=1, n_test=8, distill=True
+        seed=3,
+        output_dir=str(tmp_path),
+        n_layers=2,
+        sft_examples=64,
+        ei_steps=1,
+        grpo_steps=1,
+        n_test=8,
+        distill=True,
     )
     results = ladder.main(args)
     (run_dir,) = tmp_path.glob("ladder__3__*")
@@ -40,8 +48,11 @@ def test_ladder_runs_every_stage_and_resumes(tmp_path, monkeypatch):
         (stage_dir,) = run_dir.glob(f"{stage}__*")
         assert json.loads((stage_dir / "args.json").read_text())["model"] == sft_checkpoint
     (sft_dir,) = run_dir.glob("sft__*")
-    assert json.loads((sft_dir / "args.json").read_text())["sft_file"] == str(run_dir / ladder.TRACES)
-    # distillation: from the SFT checkpoint, toward the SFT on the gold solutions (no --sft-file: the solutions)
+    assert json.loads((sft_dir / "args.json").read_text())["sft_file"] == str(
+        run_dir / ladder.TRACES
+    )
+    # distillation: from the SFT checkpoint, toward the SFT on the gold solutions (no --sft-file:
+    # the solutions)
     (gold_dir,), (distill_dir,) = run_dir.glob("gold_sft__*"), run_dir.glob("distill__*")
     assert json.loads((gold_dir / "args.json").read_text())["sft_file"] is None
     distilled = json.loads((distill_dir / "args.json").read_text())
@@ -50,12 +61,19 @@ def test_ladder_runs_every_stage_and_resumes(tmp_path, monkeypatch):
 
     # A resumed ladder whose stages all finished runs none of them again.
     before = sorted(p.name for p in run_dir.iterdir())
-    monkeypatch.setattr(ladder, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("a stage ran again")))
+    monkeypatch.setattr(
+        ladder, "run", lambda *a, **k: (_ for _ in ()).throw(AssertionError("a stage ran again"))
+    )
     assert ladder.main(ladder.Args(resume=str(run_dir))) == results
     assert sorted(p.name for p in run_dir.iterdir()) == before
 
 
 def test_carries_right_counts_only_additions_that_carry():
-    texts = ["4 - 3 = 1. 1 + 9 = 0. 0 + 6 = 6. 6 + 7 = 13.", "17 + 5 = 22. 22 - 9 = 13.\n#### 13", "2 + 2 = 4."]
-    assert ladder.carries_right(texts) == 2 / 3  # 1 + 9 wrong; 6 + 7 and 17 + 5 right; the rest do not carry
+    texts = [
+        "4 - 3 = 1. 1 + 9 = 0. 0 + 6 = 6. 6 + 7 = 13.",
+        "17 + 5 = 22. 22 - 9 = 13.\n#### 13",
+        "2 + 2 = 4.",
+    ]
+    # 1 + 9 wrong; 6 + 7 and 17 + 5 right; the rest do not carry
+    assert ladder.carries_right(texts) == 2 / 3
     assert ladder.carries_right(["2 + 2 = 4.", "no arithmetic"]) is None

@@ -1,4 +1,5 @@
-"""sft.py: its functions by hand-checked numbers and properties, then whole runs on the tiny model with real vLLM."""
+"""sft.py: its functions by hand-checked numbers and properties, then whole runs on the tiny model
+with real vLLM."""
 
 import contextlib
 import gc
@@ -18,7 +19,8 @@ import verifiers
 
 
 class CharTokenizer:
-    """One token per character, ids by hand: enough to check tokenize_prompt_and_output's layout on paper."""
+    """One token per character, ids by hand: enough to check tokenize_prompt_and_output's layout on
+    paper."""
 
     def __init__(self, vocab: str, pad_token_id: int | None, eos_token_id: int | None):
         self.vocab, self.pad_token_id, self.eos_token_id = vocab, pad_token_id, eos_token_id
@@ -36,7 +38,8 @@ def test_tokenize_layout_by_hand():
     # full sequences: [a b c d _] (padded to 5) and [a b c d e]
     assert out["input_ids"].tolist() == [[1, 2, 3, 4], [1, 2, 3, 4]]
     assert out["labels"].tolist() == [[2, 3, 4, 0], [2, 3, 4, 5]]
-    # labels that are output tokens: c, d in row 0 (positions 1, 2); b, c, d, e in row 1 (positions 0..3)
+    # labels that are output tokens: c, d in row 0 (positions 1, 2); b, c, d, e in row 1 (positions
+    # 0..3)
     assert out["response_mask"].tolist() == [[0, 1, 1, 0], [1, 1, 1, 1]]
 
 
@@ -48,7 +51,8 @@ def test_tokenize_pad_fallbacks(pad, eos, expected_pad):
 
 
 def test_mask_keeps_eos_when_pad_equals_eos():
-    # Qwen3 base: pad == EOS. The EOS the model must learn to emit stays in the mask; the padding after it does not.
+    # Qwen3 base: pad == EOS. The EOS the model must learn to emit stays in the mask; the padding
+    # after it does not.
     tok = CharTokenizer("_abcde", pad_token_id=5, eos_token_id=5)
     out = sft.tokenize_prompt_and_output(["a", "abcd"], ["be", "e"], tok)
     assert out["labels"].tolist() == [[2, 5, 5, 5], [2, 3, 4, 5]]
@@ -73,7 +77,9 @@ def test_mask_covers_exactly_the_output_tokens_real_tokenizer(tiny_model_dir):
 
 
 def test_entropy_values():
-    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [1e4, 0.0, 0.0, 0.0], [math.log(3), 0.0, -1e9, -1e9]]])
+    logits = torch.tensor(
+        [[[0.0, 0.0, 0.0, 0.0], [1e4, 0.0, 0.0, 0.0], [math.log(3), 0.0, -1e9, -1e9]]]
+    )
     entropy = sft.compute_entropy(logits)
     # uniform over 4: log 4; one certain token: 0; p = (3/4, 1/4): -(3/4 log 3/4 + 1/4 log 1/4)
     expected = [math.log(4), 0.0, -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))]
@@ -94,7 +100,9 @@ def test_get_response_log_probs_matches_manual(tiny_model_dir):
     input_ids = torch.tensor([[5, 9, 14, 20], [7, 7, 3, 1]])
     labels = torch.tensor([[9, 14, 20, 2], [7, 3, 1, 0]])
     for temperature in (1.0, 0.7):
-        out = sft.get_response_log_probs(model, input_ids, labels, return_token_entropy=True, temperature=temperature)
+        out = sft.get_response_log_probs(
+            model, input_ids, labels, return_token_entropy=True, temperature=temperature
+        )
         with torch.no_grad():
             logits = model(input_ids).logits / temperature
         expected = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
@@ -109,7 +117,9 @@ def test_get_response_log_probs_matches_manual(tiny_model_dir):
 def test_sft_step_by_hand():
     log_probs = torch.tensor([[-1.0, -2.0], [-3.0, -4.0]], requires_grad=True)
     mask = torch.tensor([[1, 1], [0, 1]])
-    loss, meta = sft.sft_microbatch_train_step(log_probs, mask, gradient_accumulation_steps=2, normalize_constant=1.0)
+    loss, meta = sft.sft_microbatch_train_step(
+        log_probs, mask, gradient_accumulation_steps=2, normalize_constant=1.0
+    )
     # NLL per sequence: 1 + 2 = 3 and 4; mean 3.5; divided by 2 accumulation steps.
     assert loss.item() == pytest.approx(1.75)
     assert meta["nll_per_sequence"].tolist() == [3.0, 4.0]
@@ -125,42 +135,61 @@ def test_sft_step_unchanged_by_padding():
     padded_mask = torch.cat([mask, torch.zeros(3, 4)], dim=1)
     plain_lp = log_probs.clone().requires_grad_()
     loss, _ = sft.sft_microbatch_train_step(plain_lp, mask, 1, normalize_constant=3.0)
-    padded_loss, _ = sft.sft_microbatch_train_step(padded_lp, padded_mask, 1, normalize_constant=3.0)
+    padded_loss, _ = sft.sft_microbatch_train_step(
+        padded_lp, padded_mask, 1, normalize_constant=3.0
+    )
     assert padded_loss.item() == pytest.approx(loss.item())
     assert torch.allclose(padded_lp.grad[:, :5], plain_lp.grad)
     assert (padded_lp.grad[:, 5:] == 0).all()
 
 
 def test_sft_step_microbatches_give_the_token_mean():
-    # The script's normalize_constant = response tokens / batch size makes the accumulated loss the mean NLL per
-    # response token of the whole batch, however the batch is split.
+    # The script's normalize_constant = response tokens / batch size makes the accumulated loss the
+    # mean NLL per response token of the whole batch, however the batch is split.
     torch.manual_seed(1)
     log_probs, mask = -torch.rand(4, 6), (torch.rand(4, 6) > 0.4).float()
     constant = mask.sum().item() / 4
     total = 0.0
     for rows in (slice(0, 1), slice(1, 2), slice(2, 3), slice(3, 4)):
-        loss, _ = sft.sft_microbatch_train_step(log_probs[rows].clone().requires_grad_(), mask[rows], 4, constant)
+        loss, _ = sft.sft_microbatch_train_step(
+            log_probs[rows].clone().requires_grad_(), mask[rows], 4, constant
+        )
         total += loss.item()
     assert total == pytest.approx((-log_probs * mask).sum().item() / mask.sum().item())
 
 
 def test_batch_not_a_multiple_of_the_microbatch_weighs_every_token_alike(tiny_model_dir):
-    # 3 examples in microbatches of 2 and 1: the short last microbatch must not weigh its tokens double. The loss is
-    # the batch's mean NLL per response token, and the gradient the one of a single microbatch of 3.
+    # 3 examples in microbatches of 2 and 1: the short last microbatch must not weigh its tokens
+    # double. The loss is the batch's mean NLL per response token, and the gradient the one of a
+    # single microbatch of 3.
     tokenizer = sft.AutoTokenizer.from_pretrained(tiny_model_dir)
     policy = sft.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    batch = [{"prompt": "1+1=", "response": " 2</answer>"}, {"prompt": "7*6=", "response": " 42 and more</answer>"},
-             {"prompt": "9-3=", "response": " 6, surely the answer</answer>"}]  # fmt: skip
-    tokens = sft.tokenize_prompt_and_output([b["prompt"] for b in batch], [b["response"] for b in batch], tokenizer)
+    batch = [
+        {"prompt": "1+1=", "response": " 2</answer>"},
+        {"prompt": "7*6=", "response": " 42 and more</answer>"},
+        {"prompt": "9-3=", "response": " 6, surely the answer</answer>"},
+    ]
+    tokens = sft.tokenize_prompt_and_output(
+        [b["prompt"] for b in batch], [b["response"] for b in batch], tokenizer
+    )
     with torch.no_grad():
-        log_probs = sft.get_response_log_probs(policy, tokens["input_ids"], tokens["labels"])["log_probs"]
+        log_probs = sft.get_response_log_probs(policy, tokens["input_ids"], tokens["labels"])[
+            "log_probs"
+        ]
     mask = tokens["response_mask"]
     by_hand = (-log_probs * mask).sum().item() / mask.sum().item()
     grads = []
     for microbatch_size in (2, 3):
-        out = sft.sft_batch_train_step(policy, tokenizer, batch, microbatch_size, 256, contextlib.nullcontext())
-        assert out["loss"] == pytest.approx(by_hand, rel=1e-5) and out["n_response_tokens"] == mask.sum().item()
-        grads.append(torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]))
+        out = sft.sft_batch_train_step(
+            policy, tokenizer, batch, microbatch_size, 256, contextlib.nullcontext()
+        )
+        assert (
+            out["loss"] == pytest.approx(by_hand, rel=1e-5)
+            and out["n_response_tokens"] == mask.sum().item()
+        )
+        grads.append(
+            torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None])
+        )
         policy.zero_grad(set_to_none=True)
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
@@ -173,7 +202,8 @@ class Stop(Exception):
 
 
 def first_batch(args: sft.Args, monkeypatch) -> list[dict]:
-    """The first batch sft.main trains on, as main prepares it; no engine starts (its calls are stubbed out)."""
+    """The first batch sft.main trains on, as main prepares it; no engine starts (its calls are
+    stubbed out)."""
     batches = []
 
     def record_and_stop(policy, tokenizer, batch, *rest):
@@ -190,30 +220,62 @@ def first_batch(args: sft.Args, monkeypatch) -> list[dict]:
 
 
 @pytest.mark.parametrize("template", ["r1_zero", "question"])
-def test_training_pairs_end_with_eos_and_it_is_in_the_loss(template, tiny_model_dir, tmp_path, monkeypatch):
-    args = sft.Args(model=str(tiny_model_dir), dataset="synthetic", template=template, n_examples=4, batch_size=4,
-                    output_dir=str(tmp_path))  # fmt: skip
+def test_training_pairs_end_with_eos_and_it_is_in_the_loss(
+    template, tiny_model_dir, tmp_path, monkeypatch
+):
+    args = sft.Args(
+        model=str(tiny_model_dir),
+        dataset="synthetic",
+        template=template,
+        n_examples=4,
+        batch_size=4,
+        output_dir=str(tmp_path),
+    )
     batch = first_batch(args, monkeypatch)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    task = data.load_task(args, tokenizer)  # the pairs are the dataset's first 4 worked solutions, then EOS
+    # the pairs are the dataset's first 4 worked solutions, then EOS
+    task = data.load_task(args, tokenizer)
     expected = {(task.prompt(ex), task.response(ex) + tokenizer.eos_token) for ex in task.train[:4]}
     assert {(p["prompt"], p["response"]) for p in batch} == expected
-    tokens = sft.tokenize_prompt_and_output([p["prompt"] for p in batch], [p["response"] for p in batch], tokenizer)
+    tokens = sft.tokenize_prompt_and_output(
+        [p["prompt"] for p in batch], [p["response"] for p in batch], tokenizer
+    )
     for labels, mask in zip(tokens["labels"], tokens["response_mask"], strict=True):
         assert labels[mask.bool()][-1].item() == tokenizer.eos_token_id
 
 
-def test_filter_correct_trains_only_on_what_the_verifier_accepts(tiny_model_dir, tmp_path, monkeypatch):
-    # Rows 0, 2, 4, 6 answer right, the others one too many: --filter-correct keeps exactly the 4 right ones.
-    rows = [{"prompt": f"Q{i}", "response": f" </think> <answer> {i + i % 2} </answer>", "answer": str(i),
-             "verifier": "synthetic"} for i in range(8)]  # fmt: skip
+def test_filter_correct_trains_only_on_what_the_verifier_accepts(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    # Rows 0, 2, 4, 6 answer right, the others one too many: --filter-correct keeps exactly the 4
+    # right ones.
+    rows = [
+        {
+            "prompt": f"Q{i}",
+            "response": f" </think> <answer> {i + i % 2} </answer>",
+            "answer": str(i),
+            "verifier": "synthetic",
+        }
+        for i in range(8)
+    ]
     sft_file = tmp_path / "traces.jsonl"
     sft_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    args = sft.Args(model=str(tiny_model_dir), dataset="synthetic", sft_file=str(sft_file), filter_correct=True,
-                    batch_size=4, output_dir=str(tmp_path / "runs"))  # fmt: skip
-    # A row without "answer" cannot be filtered: the error names file, line and field, before the engine starts.
+    args = sft.Args(
+        model=str(tiny_model_dir),
+        dataset="synthetic",
+        sft_file=str(sft_file),
+        filter_correct=True,
+        batch_size=4,
+        output_dir=str(tmp_path / "runs"),
+    )
+    # A row without "answer" cannot be filtered: the error names file, line and field, before the
+    # engine starts.
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"prompt": "Q", "response": "R", "verifier": "synthetic"}))
+    bad.write_text(
+        json.dumps(rows[0])
+        + "\n"
+        + json.dumps({"prompt": "Q", "response": "R", "verifier": "synthetic"})
+    )
     monkeypatch.setattr(sft, "init_vllm", lambda *a: pytest.fail("the engine must not start"))
     with pytest.raises(data.DataError, match=re.escape(f"{bad}, line 2: missing field 'answer'")):
         sft.main(replace(args, sft_file=str(bad)))
@@ -223,32 +285,64 @@ def test_filter_correct_trains_only_on_what_the_verifier_accepts(tiny_model_dir,
 
 
 def test_filter_correct_reads_an_ifeval_row_of_kept_jsonl(tiny_model_dir, tmp_path, monkeypatch):
-    # expert_iter.py's kept.jsonl is a valid --sft-file; an IFEval row's answer is a dict (its instructions).
-    row = {"prompt": "Say hi.\nYour entire response should be in English, and in all lowercase letters.",
-           "response": "hi there", "verifier": "ifeval",
-           "answer": {"instruction_id_list": ["change_case:english_lowercase"], "kwargs": [{}]}}  # fmt: skip
+    # expert_iter.py's kept.jsonl is a valid --sft-file; an IFEval row's answer is a dict (its
+    # instructions).
+    row = {
+        "prompt": "Say hi.\nYour entire response should be in English, and in all lowercase letters.",
+        "response": "hi there",
+        "verifier": "ifeval",
+        "answer": {"instruction_id_list": ["change_case:english_lowercase"], "kwargs": [{}]},
+    }
     assert verifiers.score(row["response"], row)["reward"] == 1
     sft_file = tmp_path / "kept.jsonl"
     sft_file.write_text(json.dumps(row) + "\n")
-    args = sft.Args(model=str(tiny_model_dir), dataset="synthetic", sft_file=str(sft_file), filter_correct=True,
-                    batch_size=1, output_dir=str(tmp_path))  # fmt: skip
+    args = sft.Args(
+        model=str(tiny_model_dir),
+        dataset="synthetic",
+        sft_file=str(sft_file),
+        filter_correct=True,
+        batch_size=1,
+        output_dir=str(tmp_path),
+    )
     assert [p["prompt"] for p in first_batch(args, monkeypatch)] == [row["prompt"]]
 
 
 def test_filter_correct_runs_the_tests_of_a_code_row(tiny_model_dir, tmp_path, monkeypatch):
-    # A code row (data.sft_row of an MBPP example, as kept.jsonl and eval.py --save-sft-pairs write it) carries its
-    # tests: --filter-correct runs them in the sandbox and keeps the program that passes.
-    example = {"dataset": "mbpp", "id": "mbpp/1", "answer": "", "verifier": "code", "tests": "assert add(2, 3) == 5"}
-    rows = [data.sft_row(f"Write add ({op}).", f"```python\ndef add(a, b):\n    return a {op} b\n```\n[DONE]", example)
-            for op in ("+", "-")]  # fmt: skip
+    # A code row (data.sft_row of an MBPP example, as kept.jsonl and eval.py --save-sft-pairs write
+    # it) carries its tests: --filter-correct runs them in the sandbox and keeps the program that
+    # passes.
+    example = {
+        "dataset": "mbpp",
+        "id": "mbpp/1",
+        "answer": "",
+        "verifier": "code",
+        "tests": "assert add(2, 3) == 5",
+    }
+    rows = [
+        data.sft_row(
+            f"Write add ({op}).",
+            f"```python\ndef add(a, b):\n    return a {op} b\n```\n[DONE]",
+            example,
+        )
+        for op in ("+", "-")
+    ]
     sft_file = tmp_path / "kept.jsonl"
     sft_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    args = sft.Args(model=str(tiny_model_dir), dataset="synthetic", sft_file=str(sft_file), filter_correct=True,
-                    batch_size=1, output_dir=str(tmp_path / "runs"))  # fmt: skip
+    args = sft.Args(
+        model=str(tiny_model_dir),
+        dataset="synthetic",
+        sft_file=str(sft_file),
+        filter_correct=True,
+        batch_size=1,
+        output_dir=str(tmp_path / "runs"),
+    )
     assert [p["prompt"] for p in first_batch(args, monkeypatch)] == ["Write add (+)."]
-    del rows[1]["tests"]  # without its tests a program cannot be checked: the error names file, line and field
+    # without its tests a program cannot be checked: the error names file, line and field
+    del rows[1]["tests"]
     sft_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    with pytest.raises(data.DataError, match=re.escape(f"{sft_file}, line 2: missing field 'tests'")):
+    with pytest.raises(
+        data.DataError, match=re.escape(f"{sft_file}, line 2: missing field 'tests'")
+    ):
         sft.main(args)
 
 
@@ -257,10 +351,22 @@ def test_filter_correct_runs_the_tests_of_a_code_row(tiny_model_dir, tmp_path, m
 
 def run_args(tiny_model_dir, tmp_path, **overrides) -> sft.Args:
     settings = dict(
-        model=str(tiny_model_dir), dataset="synthetic", output_dir=str(tmp_path), template="r1_zero",
-        n_examples=80, batch_size=8, microbatch_size=8, lr=2e-3, warmup_ratio=0.0, max_seq_len=256,
-        n_eval=4, eval_max_tokens=8, eval_every=5, save_every=100, n_log_generations=2,
-    )  # fmt: skip
+        model=str(tiny_model_dir),
+        dataset="synthetic",
+        output_dir=str(tmp_path),
+        template="r1_zero",
+        n_examples=80,
+        batch_size=8,
+        microbatch_size=8,
+        lr=2e-3,
+        warmup_ratio=0.0,
+        max_seq_len=256,
+        n_eval=4,
+        eval_max_tokens=8,
+        eval_every=5,
+        save_every=100,
+        n_log_generations=2,
+    )
     settings.update(overrides)
     return sft.Args(**settings)
 
@@ -283,8 +389,10 @@ def test_sft_run_learns_reloads_and_checks(tiny_model_dir, tmp_path):
     assert len(losses) == 10
     assert losses[-1] < 0.7 * losses[0], losses
     evals = [m for m in metrics if "eval/accuracy" in m]
-    assert [m["step"] for m in evals] == [0, 5, 10]  # at the start, every eval_every steps, at the end
-    assert all(m["reload/logprob_gap"] < 1e-4 for m in evals)  # float32 engine vs float32 trainer: noise only
+    # at the start, every eval_every steps, at the end
+    assert [m["step"] for m in evals] == [0, 5, 10]
+    # float32 engine vs float32 trainer: noise only
+    assert all(m["reload/logprob_gap"] < 1e-4 for m in evals)
     assert (run_dir / "args.json").exists() and (run_dir / "generations.jsonl").exists()
     # The checkpoint is an ordinary Hugging Face folder: transformers and vLLM load it as it is.
     checkpoint = sft.checkpoints(run_dir)[-1]
@@ -295,9 +403,13 @@ def test_sft_run_learns_reloads_and_checks(tiny_model_dir, tmp_path):
 
     llm = LLM(model=str(checkpoint), dtype="float32", enforce_eager=True, seed=0)
     prompt = "Tom has 12 apples. He buys 30 more. How many apples does he have now?"
-    vllm_ids = list(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].token_ids)
+    vllm_ids = list(
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].token_ids
+    )
     input_ids = tokenizer(prompt, return_tensors="pt").input_ids
-    hf_ids = model.generate(input_ids, max_new_tokens=12, do_sample=False)[0, input_ids.shape[1] :].tolist()
+    hf_ids = model.generate(input_ids, max_new_tokens=12, do_sample=False)[
+        0, input_ids.shape[1] :
+    ].tolist()
     assert vllm_ids == hf_ids[: len(vllm_ids)] and len(vllm_ids) >= 1
 
 
@@ -310,12 +422,14 @@ def test_skipped_reload_trips_the_check(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(sft, "load_policy_into_vllm", lambda policy, llm, device: None)
     with pytest.raises(RuntimeError, match="does not follow the trainer") as error:
         sft.main(run_args(tiny_model_dir, tmp_path, **ONE_STEP))
-    assert "weights that differ []" not in str(error.value)  # the weights read back are the old ones
+    # the weights read back are the old ones
+    assert "weights that differ []" not in str(error.value)
 
 
 @pytest.mark.usefixtures("free_engines")
 def test_stale_prefix_cache_trips_the_check(tiny_model_dir, tmp_path, monkeypatch):
-    # Reload the weights but keep the prefix cache: the probe prompts, seen at step 0, reuse old keys and values.
+    # Reload the weights but keep the prefix cache: the probe prompts, seen at step 0, reuse old
+    # keys and values.
     def reload_without_reset(policy, llm, device):
         weights = [(name, tensor.detach()) for name, tensor in policy.state_dict().items()]
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -323,20 +437,33 @@ def test_stale_prefix_cache_trips_the_check(tiny_model_dir, tmp_path, monkeypatc
     monkeypatch.setattr(sft, "load_policy_into_vllm", reload_without_reset)
     with pytest.raises(RuntimeError, match="does not follow the trainer") as error:
         sft.main(run_args(tiny_model_dir, tmp_path, **ONE_STEP))
-    assert "weights that differ []" in str(error.value)  # the weights are right: the probe caught the stale cache
+    # the weights are right: the probe caught the stale cache
+    assert "weights that differ []" in str(error.value)
 
 
 @pytest.mark.usefixtures("free_engines")
 def test_resume_ends_where_an_uninterrupted_run_ends(tiny_model_dir, tmp_path):
-    # 4 steps; keeping 1 checkpoint: the resumed run must still find the newest and delete older ones only after it.
-    common = dict(n_examples=16, batch_size=4, microbatch_size=2, n_eval=2, eval_max_tokens=4, eval_every=100,
-                  save_every=2, keep_checkpoints=1)  # fmt: skip
+    # 4 steps; keeping 1 checkpoint: the resumed run must still find the newest and delete older
+    # ones only after it.
+    common = dict(
+        n_examples=16,
+        batch_size=4,
+        microbatch_size=2,
+        n_eval=2,
+        eval_max_tokens=4,
+        eval_every=100,
+        save_every=2,
+        keep_checkpoints=1,
+    )
     straight = sft.main(run_args(tiny_model_dir, tmp_path / "straight", **common))
-    with interrupted_at_call(sft, "sft_batch_train_step", 4):  # steps 1-3 finish, step 4 dies; the last checkpoint: 2
+    # steps 1-3 finish, step 4 dies; the last checkpoint: 2
+    with interrupted_at_call(sft, "sft_batch_train_step", 4):
         sft.main(run_args(tiny_model_dir, tmp_path / "stopped", **common))
     (stopped,) = (tmp_path / "stopped").iterdir()
     assert sft.checkpoints(stopped)[-1].name == "step_000002"
-    resumed = sft.main(run_args(tiny_model_dir, tmp_path / "stopped", resume=str(stopped), **common))
+    resumed = sft.main(
+        run_args(tiny_model_dir, tmp_path / "stopped", resume=str(stopped), **common)
+    )
     assert resumed == stopped
 
     final_a = AutoModelForCausalLM.from_pretrained(sft.checkpoints(straight)[-1]).state_dict()
@@ -346,40 +473,65 @@ def test_resume_ends_where_an_uninterrupted_run_ends(tiny_model_dir, tmp_path):
         assert torch.allclose(tensor, final_b[name], atol=1e-6), name
     losses_a = [m["train/loss"] for m in read_metrics(straight) if "train/loss" in m]
     losses_b = {m["step"]: m["train/loss"] for m in read_metrics(resumed) if "train/loss" in m}
-    # The records the dead run wrote after its last checkpoint (step 3) were dropped and rewritten: one per step.
+    # The records the dead run wrote after its last checkpoint (step 3) were dropped and rewritten:
+    # one per step.
     assert [m["step"] for m in read_metrics(resumed) if "train/loss" in m] == [1, 2, 3, 4]
     assert losses_b[4] == pytest.approx(losses_a[3], abs=1e-6)
 
 
 @pytest.mark.usefixtures("free_engines")
-def test_background_evaluation_equals_a_foreground_one_of_the_same_weights(tiny_model_dir, tmp_path):
-    # 6 steps, evaluated at 0, 2, 4, 6 while the trainer goes on, each step's weights kept as a checkpoint. (On a CPU
-    # the trainer's floats may differ in the 6th digit when the engine runs beside it: compare with the same weights.)
-    common = dict(n_examples=48, batch_size=8, microbatch_size=8, eval_every=2, save_every=2, keep_checkpoints=0,
-                  n_eval=8, eval_max_tokens=16)  # fmt: skip
-    run_dir = sft.main(run_args(tiny_model_dir, tmp_path / "run", eval_in_background=True, **common))
+def test_background_evaluation_equals_a_foreground_one_of_the_same_weights(
+    tiny_model_dir, tmp_path
+):
+    # 6 steps, evaluated at 0, 2, 4, 6 while the trainer goes on, each step's weights kept as a
+    # checkpoint. (On a CPU the trainer's floats may differ in the 6th digit when the engine runs
+    # beside it: compare with the same weights.)
+    common = dict(
+        n_examples=48,
+        batch_size=8,
+        microbatch_size=8,
+        eval_every=2,
+        save_every=2,
+        keep_checkpoints=0,
+        n_eval=8,
+        eval_max_tokens=16,
+    )
+    run_dir = sft.main(
+        run_args(tiny_model_dir, tmp_path / "run", eval_in_background=True, **common)
+    )
     rows = read_metrics(run_dir)
-    # Logged when collected: step 2's evaluation comes after the training of steps 3 and 4 that ran beside it.
+    # Logged when collected: step 2's evaluation comes after the training of steps 3 and 4 that ran
+    # beside it.
     order = [(m["step"], "eval/accuracy" in m) for m in rows]
     assert order.index((2, True)) > order.index((4, False))
     background = {m["step"]: m for m in rows if "eval/accuracy" in m}
     samples = [json.loads(line) for line in open(run_dir / "generations.jsonl")]
 
-    # The same evaluations in the foreground, on a fresh engine, from the base model and each checkpoint.
+    # The same evaluations in the foreground, on a fresh engine, from the base model and each
+    # checkpoint.
     args = sft.restore_args(sft.Args(resume=str(run_dir)))
     task = data.load_task(args, train=False)
     task.tokenizer = tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    pairs = [{**p, "response": p["response"] + tokenizer.eos_token}
-             for p in data.sft_pairs(task, None, args.n_examples, args.seed)]  # fmt: skip
-    probes = sft.make_probe_prompts(tokenizer, [p["prompt"] + p["response"] for p in pairs[:8]])  # as main makes them
+    pairs = [
+        {**p, "response": p["response"] + tokenizer.eos_token}
+        for p in data.sft_pairs(task, None, args.n_examples, args.seed)
+    ]
+    # as main makes them
+    probes = sft.make_probe_prompts(tokenizer, [p["prompt"] + p["response"] for p in pairs[:8]])
     llm = sft.init_vllm(str(tiny_model_dir), "cpu", args.seed, 0.3, 512 + args.eval_max_tokens)
     (tmp_path / "again").mkdir()
-    for step, model in [(0, tiny_model_dir)] + [(int(c.name[5:]), c) for c in sft.checkpoints(run_dir)]:
+    for step, model in [(0, tiny_model_dir)] + [
+        (int(c.name[5:]), c) for c in sft.checkpoints(run_dir)
+    ]:
         policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).train()
-        gap = sft.reload_and_check(policy, llm, probes, "cpu", 1e-3)  # as main's reload_and_evaluate
-        metrics = {**sft.evaluate(llm, policy, tokenizer, task, args, "cpu", tmp_path / "again", step),
-                   "reload/logprob_gap": gap}  # fmt: skip
+        # as main's reload_and_evaluate
+        gap = sft.reload_and_check(policy, llm, probes, "cpu", 1e-3)
+        metrics = {
+            **sft.evaluate(llm, policy, tokenizer, task, args, "cpu", tmp_path / "again", step),
+            "reload/logprob_gap": gap,
+        }
         drop_time = lambda m: {k: v for k, v in m.items() if k not in ("step", "time/eval")}
-        assert drop_time(metrics) == drop_time(background[step]), step  # accuracy, entropies, lengths, the gap
+        # accuracy, entropies, lengths, the gap
+        assert drop_time(metrics) == drop_time(background[step]), step
     assert [json.loads(line) for line in open(tmp_path / "again" / "generations.jsonl")] == samples
     assert sorted(background) == [0, 2, 4, 6]

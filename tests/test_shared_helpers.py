@@ -1,7 +1,8 @@
-"""The helpers the algorithm scripts share are copies, not imports (a script imports only data.py and verifiers.py):
-a reader who learned one copy recognises the others. These tests keep the copies identical: every banner-delimited
-block that says "(same in ...)" is the same text in each script it names, in the same order, and every function
-defined in two scripts (at the top level, or inside main) is the same source."""
+"""The helpers the algorithm scripts share are copies, not imports (a script imports only data.py
+and verifiers.py): a reader who learned one copy recognises the others. These tests keep the copies
+identical: every banner-delimited block that says "(same in ...)" is the same text in each script it
+names, in the same order, and every function defined in two scripts (at the top level, or inside
+main) is the same source."""
 
 import ast
 import re
@@ -16,7 +17,8 @@ BANNER = re.compile(r"^# --- .*---$")
 
 
 def blocks(script: str) -> dict[str, str]:
-    """Banner line -> the text from it up to the next banner (or `def main`), for every banner of one script."""
+    """Banner line -> the text from it up to the next banner (or `def main`), for every banner of
+    one script."""
     out, title = {}, None
     for line in (ROOT / script).read_text().splitlines(keepends=True):
         if BANNER.match(line):
@@ -41,7 +43,8 @@ def shared_blocks() -> list[tuple[str, list[str]]]:
 
 
 def functions(script: str) -> dict[str, str]:
-    """Source of every top-level function, and of every function defined inside main (as main.<name>)."""
+    """Source of every top-level function, and of every function defined inside main (as
+    main.<name>)."""
     source = (ROOT / script).read_text()
     tree = ast.parse(source)
     out = {}
@@ -57,7 +60,8 @@ def functions(script: str) -> dict[str, str]:
 
 
 def test_there_are_shared_blocks():
-    assert len(shared_blocks()) >= 4, shared_blocks()  # vocabulary, SFT loss, engine and evaluation, run folder
+    # vocabulary, SFT loss, engine and evaluation, run folder
+    assert len(shared_blocks()) >= 4, shared_blocks()
 
 
 @pytest.mark.parametrize(("title", "named"), shared_blocks())
@@ -97,7 +101,14 @@ def test_named_helpers_are_in_every_script(name):
 @pytest.mark.parametrize("script", [*SCRIPTS, "eval.py"])
 def test_scripts_import_no_other_script(script):
     tree = ast.parse((ROOT / script).read_text())
-    imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported = {
+        a.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for a in node.names
+    }
+    imported |= {
+        node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+    }
     project = {p.stem for p in ROOT.glob("*.py")}
     assert imported & project <= {"data", "verifiers"}, imported & project

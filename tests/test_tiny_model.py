@@ -1,4 +1,5 @@
-"""The tiny model loads in transformers and in a real vLLM engine, and both generate the same greedy tokens."""
+"""The tiny model loads in transformers and in a real vLLM engine, and both generate the same greedy
+tokens."""
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir), AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    return AutoTokenizer.from_pretrained(tiny_model_dir), AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir
+    )
 
 
 def test_model_shape_and_special_tokens(hf):
@@ -49,7 +52,13 @@ def test_vllm_greedy_equals_transformers_greedy(tiny_model_dir, hf):
     from vllm import LLM, SamplingParams
 
     tokenizer, model = hf
-    llm = LLM(model=str(tiny_model_dir), dtype="float32", seed=0, enforce_eager=True, gpu_memory_utilization=0.5)
+    llm = LLM(
+        model=str(tiny_model_dir),
+        dtype="float32",
+        seed=0,
+        enforce_eager=True,
+        gpu_memory_utilization=0.5,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=24)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outputs, strict=True):
@@ -57,5 +66,7 @@ def test_vllm_greedy_equals_transformers_greedy(tiny_model_dir, hf):
         assert len(vllm_ids) >= 1
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            hf_ids = model.generate(input_ids, max_new_tokens=24, do_sample=False)[0, input_ids.shape[1] :].tolist()
+            hf_ids = model.generate(input_ids, max_new_tokens=24, do_sample=False)[
+                0, input_ids.shape[1] :
+            ].tolist()
         assert vllm_ids == hf_ids, prompt

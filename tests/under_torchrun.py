@@ -1,6 +1,7 @@
-"""A script as tests launch it with torchrun: `torchrun ... tests/under_torchrun.py grpo --its --args`. The
-letter-share reward (a random model's groups carry a signal), 256 synthetic train problems; and, when FAIL is "die"
-or "hang", rank FAIL_RANK kills or stops itself at its FAIL_AT-th reward call, as a rank would that crashed or hung."""
+"""A script as tests launch it with torchrun: `torchrun ... tests/under_torchrun.py grpo --its
+--args`. The letter-share reward (a random model's groups carry a signal), 256 synthetic train
+problems; and, when FAIL is "die" or "hang", rank FAIL_RANK kills or stops itself at its FAIL_AT-th
+reward call, as a rank would that crashed or hung."""
 
 import importlib
 import os
