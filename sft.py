@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm import LLM, SamplingParams
 
 import data
@@ -104,46 +104,53 @@ class Args:
     rank_timeout_s: float = 1800
 
 
-# --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- ALGORITHM, CS336 vocabulary: tokens and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def tokenize_prompt_and_output(
     prompt_strs: list[str], output_strs: list[str], tokenizer
 ) -> dict[str, torch.Tensor]:
-    """Tokenize prompts and outputs separately, then collate_token_ids: input_ids, labels,
-    response_mask (B, T)."""
+    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
+    response_mask, each (B, T)."""
     prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
     output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
-    pad_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
-    return collate_token_ids(prompt_ids, output_ids, pad_id if pad_id is not None else 0)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id or 0
+    return collate_token_ids(prompt_ids, output_ids, pad_id)
 
 
 def collate_token_ids(
     prompt_ids: list[list[int]], output_ids: list[list[int]], pad_id: int
-) -> dict:
-    """Concatenate, pad and shift: input_ids, labels, response_mask (1 where the label is an output
-    token), each (B, max_len - 1). From lengths, not pad ids: pad == EOS in Qwen3 base models, and
-    the EOS must be learned."""
+) -> dict[str, torch.Tensor]:
+    """Concatenate, pad and shift by one: input_ids, labels, and response_mask (1 where the
+    label is an output token), each (B, T) with T = the longest prompt + output - 1.
+
+    The mask comes from the lengths, not from pad ids: in Qwen3 base models pad == EOS, and
+    the EOS that ends a response must be learned."""
+    n = len(prompt_ids)
     max_len = max(len(p) + len(o) for p, o in zip(prompt_ids, output_ids, strict=True))
-    full = torch.full((len(prompt_ids), max_len), pad_id, dtype=torch.long)  # (B, L)
-    is_output = torch.zeros((len(prompt_ids), max_len), dtype=torch.bool)  # (B, L)
+    full = torch.full((n, max_len), pad_id, dtype=torch.long)  # (B, L)
+    is_output = torch.zeros((n, max_len), dtype=torch.bool)  # (B, L)
     for i, (p, o) in enumerate(zip(prompt_ids, output_ids, strict=True)):
         full[i, : len(p) + len(o)] = torch.tensor([*p, *o], dtype=torch.long)
         is_output[i, len(p) : len(p) + len(o)] = True
-    return {"input_ids": full[:, :-1], "labels": full[:, 1:], "response_mask": is_output[:, 1:]}
+    return {
+        "input_ids": full[:, :-1],
+        "labels": full[:, 1:],
+        "response_mask": is_output[:, 1:],
+    }
 
 
 def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of each next-token distribution, (B, T, V) logits -> (B, T): logsumexp(z) - sum
-    softmax(z) z, which never takes the log of an underflowed probability. In chunks: at once, two
-    more (B, T, V) float32 tensors."""
+    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
+
+    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
+    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
     flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
-    chunks = [
-        torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
-        for z in flat.split(chunk_size)
-    ]
+    chunks = []
+    for z in flat.split(chunk_size):
+        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
     return torch.cat(chunks).reshape(logits.shape[:-1])
 
 
@@ -154,26 +161,73 @@ def get_response_log_probs(
     return_token_entropy: bool = False,
     temperature: float = 1.0,
 ) -> dict[str, torch.Tensor]:
-    """log p(labels[t] | input_ids[:t+1]): (B, T) -> {"log_probs": (B, T)}, and "token_entropy" (B,
-    T). The logits are divided by `temperature` as the engine's are when it samples (grpo.py needs
-    it; SFT uses 1)."""
-    logits = model(input_ids).logits.float()  # (B, T, V); float32 even under bf16 autocast
-    # at T = 1, no second (B, T, V) copy
-    logits = logits / temperature if temperature != 1.0 else logits
-    # (B, T)
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    """log p(labels[t] | input_ids[:t+1]) for (B, T) ids: {"log_probs": (B, T)}, and with
+    return_token_entropy {"token_entropy": (B, T)}. The logits are divided by `temperature`,
+    as the engine's are when it samples (grpo.py samples at T != 1; SFT uses 1)."""
+    # float32 even under bf16 autocast
+    logits = model(input_ids).logits.float()  # (B, T, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)  # (B, T, V)
+    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
     if not return_token_entropy:
         return {"log_probs": log_probs}
     with torch.no_grad():
-        return {"log_probs": log_probs, "token_entropy": compute_entropy(logits)}
+        entropy = compute_entropy(logits)
+    return {"log_probs": log_probs, "token_entropy": entropy}
 
 
 def masked_normalize(
-    tensor: torch.Tensor, mask: torch.Tensor, normalize_constant: float, dim: int | None = None
+    tensor: torch.Tensor,
+    mask: torch.Tensor,
+    normalize_constant: float,
+    dim: int | None = None,
 ) -> torch.Tensor:
-    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), divided by
-    normalize_constant."""
+    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
     return (tensor * mask).sum(dim=dim) / normalize_constant
+
+
+def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
+    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
+
+
+# --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+
+
+def get_lr(update: int, lr: float, warmup: int, n_updates: int, schedule: str) -> float:
+    """The learning rate of optimizer step `update` (counted from 0) of `n_updates`: linear
+    warmup from 0 over `warmup` steps, then constant, or cosine down to 0 at n_updates."""
+    if update < warmup:
+        return lr * (update / max(1, warmup))
+    if schedule == "constant":
+        return lr
+    progress = (update - warmup) / max(1, n_updates - warmup)
+    return lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def optimizer_step(
+    policy, optimizer, lr: float, max_grad_norm: float, n_bad_in_a_row: int = 0
+) -> tuple[float, int]:
+    """Clip the gradient's global L2 norm, step AdamW at `lr` and zero the gradient. Returns
+    the norm before clipping and the count of non-finite updates in a row: a non-finite
+    norm (an inf or NaN in the loss) skips the step, so that one bad batch cannot write NaN
+    into every weight, and three in a row stop the run."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
+    if math.isfinite(grad_norm):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        n_bad_in_a_row = 0
+    else:
+        n_bad_in_a_row += 1
+        if n_bad_in_a_row >= 3:
+            raise RuntimeError(
+                f"{n_bad_in_a_row} non-finite updates in a row: check the rewards and the lr"
+            )
+        warnings.warn(f"gradient norm {grad_norm} is not finite: update skipped", stacklevel=2)
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, n_bad_in_a_row
 
 
 # --- ALGORITHM: the SFT loss (same in sft.py and expert_iter.py) ---
@@ -185,16 +239,13 @@ def sft_microbatch_train_step(
     gradient_accumulation_steps: int,
     normalize_constant: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Masked NLL of one microbatch, scaled for gradient accumulation; calls backward(). With
-    policy_log_probs and response_mask (B, T): loss = mean_i(-sum_t log p_it mask_it /
-    normalize_constant) / gradient_accumulation_steps."""
-    # (B,)
-    nll_per_sequence = -masked_normalize(
-        policy_log_probs, response_mask, normalize_constant, dim=-1
-    )
-    loss = nll_per_sequence.mean() / gradient_accumulation_steps
+    """The masked NLL of one microbatch, scaled for gradient accumulation; calls backward().
+    With log-probs and response_mask (B, T), NLL_i = -sum_t log p_it mask_it:
+        loss = mean_i(NLL_i / normalize_constant) / gradient_accumulation_steps."""
+    nll = -masked_normalize(policy_log_probs, response_mask, normalize_constant, dim=-1)  # (B,)
+    loss = nll.mean() / gradient_accumulation_steps
     loss.backward()
-    return loss, {"nll_per_sequence": nll_per_sequence.detach()}
+    return loss, {"nll_per_sequence": nll.detach()}
 
 
 def sft_batch_train_step(
@@ -206,33 +257,32 @@ def sft_batch_train_step(
     autocast,
     entropy: bool = False,
 ) -> dict:
-    """Accumulate the gradient of one batch's mean NLL per response token over microbatches, each
-    rank's rows, summed. batch: {"prompt", "response"}, responses ending in EOS. Returns loss,
-    entropy_sum (or 0), n_response_tokens."""
-    tokenized = tokenize_prompt_and_output(
-        [p["prompt"] for p in batch], [p["response"] for p in batch], tokenizer
-    )
-    # (B, T), over-long examples cut
-    tokenized = {k: v[:, : max_seq_len - 1] for k, v in tokenized.items()}
-    lengths, device = tokenized["response_mask"].sum(-1).tolist(), next(policy.parameters()).device
-    # every W-th example; alone, all of them, in order
-    mine = list(range(RANK, len(batch), WORLD_SIZE))
-    # this rank's loss and entropy sum, on the device: no sync per microbatch
-    sums = torch.zeros(2, device=device)
-    for start in range(0, len(mine), microbatch_size):
-        micro = {
-            k: v[mine[start : start + microbatch_size]].to(device) for k, v in tokenized.items()
-        }
+    """Accumulate the gradient of a batch's mean NLL per response token, microbatch by
+    microbatch (under torchrun: this rank's rows, then summed over the ranks). batch: dicts
+    with "prompt" and "response", each response ending in EOS. Returns the loss, the entropy
+    summed over the response tokens (0 unless `entropy`) and the count of response tokens."""
+    prompts = [p["prompt"] for p in batch]
+    responses = [p["response"] for p in batch]
+    tokens = tokenize_prompt_and_output(prompts, responses, tokenizer)
+    # examples longer than max_seq_len are cut at the end
+    tokens = {k: v[:, : max_seq_len - 1] for k, v in tokens.items()}  # (B, T)
+    n_tokens = tokens["response_mask"].sum().item()
+    rows = rows_to_train(list(range(len(batch))))
+    # the loss and entropy sums stay on the device: no sync per microbatch
+    sums = torch.zeros(2, device=policy.device)
+    for start in range(0, len(rows), microbatch_size):
+        micro_rows = rows[start : start + microbatch_size]
+        micro = {k: v[micro_rows].to(policy.device) for k, v in tokens.items()}
         with autocast:
             out = get_response_log_probs(
                 policy, micro["input_ids"], micro["labels"], return_token_entropy=entropy
             )
-        # Every response token of the batch weighs 1 / n_response_tokens, whatever microbatch or
-        # rank it falls in.
-        normalize_constant, accumulation = (
-            sum(lengths) / len(batch),
-            len(batch) / len(micro["labels"]),
-        )
+        # With normalize_constant = n_tokens / B (the mean response length) and B / b
+        # microbatches of b rows, mean_i(NLL_i / normalize_constant) / (B / b) is
+        # sum(NLL of this microbatch's tokens) / n_tokens: every token of the batch weighs
+        # 1 / n_tokens, whatever microbatch or rank it falls in.
+        normalize_constant = n_tokens / len(batch)
+        accumulation = len(batch) / len(micro_rows)
         loss, _ = sft_microbatch_train_step(
             out["log_probs"], micro["response_mask"], accumulation, normalize_constant
         )
@@ -243,36 +293,37 @@ def sft_batch_train_step(
     return {
         "loss": sums[0].item(),
         "entropy_sum": sums[1].item(),
-        "n_response_tokens": sum(lengths),
+        "n_response_tokens": n_tokens,
     }
 
 
 def main(args: Args) -> Path:
-    args = restore_args(args)  # --resume: the stopped run's arguments
-    task = data.load_task(args, train=False)  # a bad spec stops here, before the engine starts
-    keep = (
-        (lambda p: verifiers.score(p["response"], p["example"])["reward"] == 1)
-        if args.filter_correct
-        else None
-    )
+    # --resume: the stopped run's arguments
+    args = restore_args(args)
+    # a bad dataset spec stops here, before the engine starts
+    task = data.load_task(args, train=False)
+    keep = None
+    if args.filter_correct:
+        keep = lambda p: verifiers.score(p["response"], p["example"])["reward"] == 1
     pairs = data.sft_pairs(task, args.sft_file, args.n_examples, args.seed, keep)
     if len(pairs) < args.batch_size:
         raise ValueError(
             f"{len(pairs)} training examples is fewer than one batch of {args.batch_size}"
         )
-    # --- PLUMBING: ranks, run folder, devices, engine, seeds, policy (the same steps in every script) ---
-    # under torchrun: every rank an engine, a trainer, a share of each batch
+
+    # --- PLUMBING: ranks, run folder, devices, engine, policy ---
     init_distributed(args.rank_timeout_s)
     run_dir = make_run_dir(args)
     policy_device, vllm_device, memory_fraction, reload_tol = resolve_devices(args)
     model_path = str(checkpoints(run_dir)[-1]) if checkpoints(run_dir) else args.model
-    print(
-        f"run folder {run_dir}; trainer on {policy_device}, vLLM on {vllm_device}; starting from {model_path}"
-    )
-    # an eval prompt + response; the 400-token probes
+    print(f"run folder {run_dir}; trainer on {policy_device}, vLLM on {vllm_device}")
+    print(f"starting from {model_path}")
+    # an eval prompt and its response; the reload check's 400-token probes
     max_model_len = max(args.max_seq_len, 512) + args.eval_max_tokens
+    # the engine first: it starts only if its share of the GPU is free; the trainer gets the rest
     llm = init_vllm(model_path, vllm_device, args.seed, memory_fraction, max_model_len)
-    task.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    task.tokenizer = tokenizer
     policy, autocast = load_policy(
         model_path, policy_device, args.gradient_checkpointing, args.seed
     )
@@ -280,162 +331,188 @@ def main(args: Args) -> Path:
     # --- Data, optimizer, resume ---
     # the model must learn to stop
     pairs = [{**p, "response": p["response"] + tokenizer.eos_token} for p in pairs]
-    tokens = lambda key: [
-        len(ids)
-        for ids in tokenizer([p[key] for p in pairs], add_special_tokens=False)["input_ids"]
-    ]
-    n_cut = sum(
-        a + b > args.max_seq_len for a, b in zip(tokens("prompt"), tokens("response"), strict=True)
-    )
-    print(
-        f"{len(pairs)} training examples; {n_cut} longer than {args.max_seq_len} tokens will be cut at the end"
-    )
-    probe_prompts = make_probe_prompts(tokenizer, [p["prompt"] + p["response"] for p in pairs[:8]])
+    n_cut = count_longer_than(tokenizer, pairs, args.max_seq_len)
+    print(f"{len(pairs)} training examples; {n_cut} longer than {args.max_seq_len} tokens: cut")
+    probe_texts = [p["prompt"] + p["response"] for p in pairs[:8]]
+    probe_prompts = make_probe_prompts(tokenizer, probe_texts)
     n_steps = args.n_epochs * (len(pairs) // args.batch_size)
+    warmup_steps = math.ceil(args.warmup_ratio * n_steps)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(
-        optimizer, math.ceil(args.warmup_ratio * n_steps), n_steps
-    )
-    start_step = resume_from(run_dir, optimizer, scheduler)
+    start_step = resume_from(run_dir, optimizer)["step"]
     log = make_logger(run_dir, args)
-    evaluator, evaluation = ThreadPoolExecutor(max_workers=1), None
-    background = (
-        vllm_device != policy_device if args.eval_in_background is None else args.eval_in_background
-    )
-    # off under torchrun: two threads' collectives, in another order per rank, deadlock
-    background &= WORLD_SIZE == 1
 
-    # in the background, a frozen copy of the policy
-    def reload_and_evaluate(policy, step: int) -> tuple[dict, int]:
-        # (+6.8 GB for Qwen3-1.7B fp32)
+    # One thread owns the engine while training goes on: in the background, each reload and
+    # evaluation runs there on a frozen copy of the policy (+6.8 GB for Qwen3-1.7B in fp32).
+    background = args.eval_in_background
+    if background is None:
+        background = vllm_device != policy_device
+    # not under torchrun: two threads' collectives, in another order on each rank, deadlock
+    background = background and WORLD_SIZE == 1
+    engine_thread = ThreadPoolExecutor(max_workers=1)
+    # the evaluation running in the background: {step: its future}
+    in_flight = {}
+
+    def reload_and_evaluate(policy, step: int) -> dict:
         gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)
         metrics = evaluate(llm, policy, tokenizer, task, args, vllm_device, run_dir, step)
-        return {**metrics, "reload/logprob_gap": gap}, step
-
-    # returns the evaluation left in flight: in the background, this one
-    def start_evaluation(step: int):
-        if evaluation:  # the engine keeps step s's weights until its evaluation is done
-            log(*evaluation.result())
-        future = evaluator.submit(
-            reload_and_evaluate, copy.deepcopy(policy) if background else policy, step
-        )
-        return future if background else log(*future.result())
+        return {**metrics, "reload/logprob_gap": gap}
 
     if start_step == 0:
-        evaluation = start_evaluation(0)
+        log(reload_and_evaluate(policy, 0), 0)
     else:
         # the engine follows the checkpoint
         reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)
 
-    # --- ALGORITHM: one optimizer step per batch of `batch_size` examples ---
+    # --- ALGORITHM: the SFT loop ---
+    # Phases 1 and 2 (generate, score) are expert_iter.py's and grpo.py's: here the responses
+    # are given.
     for step in range(start_step, n_steps):
-        step_done, t0 = step + 1, time.time()
-        batch = [pairs[i] for i in data.batch_order(len(pairs), args.batch_size, args.seed, step)]
-        out = sft_batch_train_step(
-            policy, tokenizer, batch, args.microbatch_size, args.max_seq_len, autocast
-        )
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        metrics = {
-            "train/loss": out["loss"],
-            "train/grad_norm": grad_norm,
-            "train/lr": scheduler.get_last_lr()[0],
-            "train/response_tokens": out["n_response_tokens"],
-            "time/step": time.time() - t0,
-        }
-        print(
-            f"step {step_done:5d}/{n_steps} | loss {out['loss']:.4f} | grad norm {grad_norm:.3f} | "
-            f"lr {metrics['train/lr']:.2e} | {metrics['time/step']:.2f} s"
-        )
-        log(metrics, step_done)
+        metrics = {}
+        step_done = step + 1
+        batch_rows = data.batch_order(len(pairs), args.batch_size, args.seed, step)
+        batch = [pairs[i] for i in batch_rows]
+
+        # --- 3. Update: one optimizer step on the batch's mean NLL per response token ---
+        with timed(metrics, "train"):
+            lr = get_lr(step, args.lr, warmup_steps, n_steps, "cosine")
+            out = sft_batch_train_step(
+                policy, tokenizer, batch, args.microbatch_size, args.max_seq_len, autocast
+            )
+            grad_norm, _ = optimizer_step(policy, optimizer, lr, args.max_grad_norm)
+        metrics["train/loss"] = out["loss"]
+        metrics["train/grad_norm"] = grad_norm
+        metrics["train/lr"] = lr
+        metrics["train/response_tokens"] = out["n_response_tokens"]
+
+        # --- 4. Reload the engine and evaluate: here, or on the engine's thread ---
         if step_done % args.eval_every == 0 or step_done == n_steps:
-            evaluation = start_evaluation(step_done)
+            if not background:
+                metrics.update(reload_and_evaluate(policy, step_done))
+            else:
+                # one at a time: the engine holds one set of weights
+                for s, future in in_flight.items():
+                    log(future.result(), s)
+                frozen = copy.deepcopy(policy)
+                in_flight = {
+                    step_done: engine_thread.submit(reload_and_evaluate, frozen, step_done)
+                }
+
+        # --- 5. Log, save ---
+        log(metrics, step_done)
+        print(
+            f"step {step_done:5d}/{n_steps} | loss {out['loss']:.4f} | "
+            f"grad norm {grad_norm:.3f} | lr {lr:.2e} | {metrics['time/train']:.2f} s"
+        )
         if step_done % args.save_every == 0 or step_done == n_steps:
             save_checkpoint(
-                run_dir, step_done, policy, tokenizer, optimizer, scheduler, args.keep_checkpoints
+                run_dir, step_done, policy, tokenizer, optimizer, step_done, args.keep_checkpoints
             )
-    if evaluation:
-        log(*evaluation.result())
+    for s, future in in_flight.items():
+        log(future.result(), s)
     return run_dir
+
+
+# --- PLUMBING: sft.py's own: what the length limit cuts ---
+
+
+def count_longer_than(tokenizer, pairs: list[dict], max_seq_len: int) -> int:
+    """How many (prompt, response) pairs are longer than max_seq_len tokens."""
+    prompts = tokenizer([p["prompt"] for p in pairs], add_special_tokens=False)["input_ids"]
+    responses = tokenizer([p["response"] for p in pairs], add_special_tokens=False)["input_ids"]
+    n_prompt = [len(ids) for ids in prompts]
+    n_response = [len(ids) for ids in responses]
+    return sum(a + b > max_seq_len for a, b in zip(n_prompt, n_response, strict=True))
 
 
 # --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def engine_device(device: str):
-    """Run engine calls with the engine's GPU current: vLLM uses the ambient CUDA device
-    (docs/gpu.md)."""
-    return torch.cuda.device(device) if device.startswith("cuda") else contextlib.nullcontext()
+    """Run engine calls with the engine's GPU current: vLLM uses the ambient CUDA device."""
+    if device.startswith("cuda"):
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def init_vllm(
     model: str, device: str, seed: int, gpu_memory_utilization: float, max_model_len: int
 ) -> LLM:
-    """A vLLM engine in this process (reload_weights then takes the trainer's tensors directly) on
-    "cpu" or "cuda:N"; processed_logprobs: a sampled token's log-prob after temperature, as it was
-    sampled."""
+    """A vLLM engine in this process, on "cpu" or "cuda:N": in the same process,
+    reload_weights can take the trainer's tensors directly."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     common = dict(
         model=model,
         seed=seed,
         max_model_len=max_model_len,
         enable_prefix_caching=True,
+        # a sampled token's log-prob after the temperature: the distribution it was drawn from
         logprobs_mode="processed_logprobs",
     )
     if device == "cpu":
-        # float32: log-probs match the trainer's; eager: no ~40 s compile; a 1 GiB KV cache, not
-        # half the RAM. No chunked prefill: vLLM then rewinds seeded generators, which fails on CPU
-        # ("CPU Generator does not use offset")
+        # A 1 GiB KV cache, not half the machine's memory.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        return LLM(**common, dtype="float32", enforce_eager=True, enable_chunked_prefill=False)
+        return LLM(
+            **common,
+            # float32: the engine's log-probs match the trainer's
+            dtype="float32",
+            # no compile: it would take ~40 s at every start
+            enforce_eager=True,
+            # chunked prefill rewinds seeded generators, which fails on CPU
+            enable_chunked_prefill=False,
+        )
     # device_ids places the engine; the memory share is of that whole GPU
     gpu = torch.device(device).index or 0
     return LLM(
-        **common, dtype="bfloat16", device_ids=[gpu], gpu_memory_utilization=gpu_memory_utilization
+        **common,
+        dtype="bfloat16",
+        device_ids=[gpu],
+        gpu_memory_utilization=gpu_memory_utilization,
     )
 
 
 def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
-    """Copy the trainer's weights into the running engine and drop its prefix cache (computed with
-    the OLD weights). state_dict(), not named_parameters(): that one leaves out the tied
-    lm_head.weight, which would stay stale."""
+    """Copy the trainer's weights into the running engine, and drop its prefix cache: the
+    cached keys and values were computed with the old weights."""
+    dtype = llm.llm_engine.model_config.dtype
+    # state_dict(), not named_parameters(): that one leaves out a tied lm_head.weight
+    weights = [(name, t.detach().to(dtype)) for name, t in policy.state_dict().items()]
     with engine_device(device):
-        weights = [
-            (name, t.detach().to(llm.llm_engine.model_config.dtype))
-            for name, t in policy.state_dict().items()
-        ]
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
 
 
 def make_probe_prompts(tokenizer, texts: list[str], n_tokens: int = 400) -> list[list[int]]:
-    """Two fixed prompts for the reload check, long: a prefix cache reuses only full blocks (128
-    tokens on CPU)."""
-    # surely long enough
-    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"] * (2 * n_tokens)
+    """Two fixed token prompts for the reload check, long enough to fill whole blocks of the
+    prefix cache (it reuses only full blocks: 128 tokens on CPU)."""
+    text = "\n\n".join(texts)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] * (2 * n_tokens)
     return [ids[:n_tokens], ids[n_tokens : 2 * n_tokens]]
 
 
 def weights_that_differ(policy, llm: LLM, device: str) -> list[str]:
-    """The engine's weights that differ, bit for bit, from the trainer's in the engine's dtype
-    (every 64th row; a fused weight stacks the trainer's parts): exact in bf16 too. On CPU, linear
-    weights live in oneDNN (empty): skipped."""
+    """The names of the engine's weights that differ, bit for bit, from the trainer's cast to
+    the engine's dtype (every 64th row; a fused weight stacks the trainer's parts): exact in
+    bf16 too. On CPU the engine keeps linear weights in oneDNN (empty here): skipped."""
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    state, rows = policy.state_dict(), lambda t: t if t.dim() == 1 else t[::64]
+    state = policy.state_dict()
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t if t.dim() == 1 else t[::64]
+
+    def read_back(model) -> dict[str, torch.Tensor]:
+        return {n: rows(p.detach()).cpu() for n, p in model.named_parameters()}
+
     with engine_device(device):
-        (engine,) = llm.apply_model(
-            lambda model: {n: rows(p.detach()).cpu() for n, p in model.named_parameters()}
-        )
+        (engine,) = llm.apply_model(read_back)
     differ = []
     for name, tensor in engine.items():
-        module = name.split(".")[-2]  # model.layers.0.self_attn.qkv_proj.weight -> qkv_proj
-        trainer = torch.cat(
-            [state[name.replace(module, part)] for part in fused.get(module, (module,))]
-        )
-        if tensor.numel() and not torch.equal(tensor, rows(trainer).to(tensor.dtype).cpu()):
+        # model.layers.0.self_attn.qkv_proj.weight -> qkv_proj
+        module = name.split(".")[-2]
+        parts = fused.get(module, (module,))
+        trainer = torch.cat([state[name.replace(module, part)] for part in parts])
+        trainer = rows(trainer).to(tensor.dtype).cpu()
+        if tensor.numel() and not torch.equal(tensor, trainer):
             differ.append(name)
     return differ
 
@@ -443,130 +520,122 @@ def weights_that_differ(policy, llm: LLM, device: str) -> list[str]:
 def probe_gap(
     policy, llm: LLM, probe_prompts: list[list[int]], device: str, n_tokens: int = 16
 ) -> float:
-    """The engine continues each probe greedily, the trainer scores the same tokens: the worse
-    prompt's median |log-prob gap| (a near-tie in bf16 must not stop a run). Generated: prompt
-    log-probs skip the prefix cache."""
+    """The engine continues each probe greedily and the trainer scores the same tokens: the
+    worse prompt's median |log-prob gap| (a median: one near-tie in bf16 must not stop a run).
+    Generated tokens, not prompt log-probs: those would skip the prefix cache."""
     params = SamplingParams(temperature=0.0, max_tokens=n_tokens, logprobs=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in probe_prompts]
     with engine_device(device):
-        outputs = llm.generate(
-            [{"prompt_token_ids": p} for p in probe_prompts], params, use_tqdm=False
-        )
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     gaps = []
     for prompt, output in zip(probe_prompts, outputs, strict=True):
-        ids, logprobs = list(output.outputs[0].token_ids), output.outputs[0].logprobs
-        full = torch.tensor([prompt + ids], device=next(policy.parameters()).device)  # (1, L)
-        with torch.no_grad():
-            trainer = get_response_log_probs(policy, full[:, :-1], full[:, 1:])["log_probs"][
-                0, -len(ids) :
-            ]
+        ids = list(output.outputs[0].token_ids)
+        logprobs = output.outputs[0].logprobs
         engine = torch.tensor([lp[t].logprob for lp, t in zip(logprobs, ids, strict=True)])
-        gaps.append((engine - trainer.float().cpu()).abs().median().item())
+        full = torch.tensor([prompt + ids], device=policy.device)  # (1, L)
+        with torch.no_grad():
+            out = get_response_log_probs(policy, full[:, :-1], full[:, 1:])
+        trainer = out["log_probs"][0, -len(ids) :].float().cpu()
+        gaps.append((engine - trainer).abs().median().item())
     return max(gaps)
 
 
 def reload_and_check(
     policy, llm: LLM, probe_prompts: list[list[int]], device: str, tol: float
 ) -> float:
-    """Copy the trainer's weights into the engine and prove it follows them, or raise: the weights
-    read back equal the trainer's, and the probe's gap is within tol (~1e-6 in float32); a warning
-    above tol / 10. Returns the gap."""
+    """Copy the trainer's weights into the engine and prove that it follows them, or raise:
+    the weights read back equal the trainer's, and the probe's gap is within tol (~1e-6 in
+    float32). Warns above tol / 10. Returns the gap."""
     load_policy_into_vllm(policy, llm, device)
-    differ, gap = (
-        weights_that_differ(policy, llm, device),
-        probe_gap(policy, llm, probe_prompts, device),
-    )
+    differ = weights_that_differ(policy, llm, device)
+    gap = probe_gap(policy, llm, probe_prompts, device)
     if differ or not gap <= tol:
         raise RuntimeError(
-            f"vLLM does not follow the trainer after a weight reload: engine weights that differ "
-            f"{differ}, median |log-prob gap| {gap:.3g} (stop above {tol:.3g})"
+            "vLLM does not follow the trainer after a weight reload: "
+            f"engine weights that differ {differ}, "
+            f"median |log-prob gap| {gap:.3g} (stop above {tol:.3g})"
         )
     if gap > tol / 10:
-        warnings.warn(
-            f"engine/trainer log-prob gap {gap:.3g} after a reload (stop above {tol:.3g})",
-            stacklevel=2,
-        )
+        message = f"engine/trainer log-prob gap {gap:.3g} after a reload (stop above {tol:.3g})"
+        warnings.warn(message, stacklevel=2)
     return gap
 
 
 def evaluate(
-    llm: LLM, policy, tokenizer, task: data.Task, args, vllm_device: str, run_dir: Path, step: int
-):
-    """Greedy responses to every eval example, scored: metrics per dataset and in all; a few to
-    generations.jsonl."""
-    # gathered below
-    t0, examples = time.time(), my_share([ex for name in task.names for ex in task.evals[name]])
-    # stop strings stay in the output: the verifier reads them
+    llm: LLM,
+    policy,
+    tokenizer,
+    task: data.Task,
+    args,
+    vllm_device: str,
+    run_dir: Path,
+    step: int,
+) -> dict:
+    """Greedy responses to every eval example, scored: metrics per dataset and in all, and
+    a few responses to generations.jsonl. Each rank evaluates its share."""
+    t0 = time.time()
+    examples = [ex for name in task.names for ex in task.evals[name]]
+    examples = my_share(examples)
     prompts = [task.prompt(ex) for ex in examples]
-    params = [
-        SamplingParams(
-            temperature=0.0,
-            max_tokens=args.eval_max_tokens,
-            stop=task.stop(ex),
-            include_stop_str_in_output=True,
+    params = []
+    for ex in examples:
+        # the stop string stays in the output: the verifier reads it
+        params.append(
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=args.eval_max_tokens,
+                stop=task.stop(ex),
+                include_stop_str_in_output=True,
+            )
         )
-        for ex in examples
-    ]
     with engine_device(vllm_device):
-        completions = [output.outputs[0] for output in llm.generate(prompts, params, use_tqdm=True)]
-    # code: programs run in a pool
+        outputs = llm.generate(prompts, params, use_tqdm=True)
+    completions = [output.outputs[0] for output in outputs]
     rewards = verifiers.score_batch([c.text for c in completions], examples)
-    records = [
-        {
-            "dataset": ex["dataset"],
-            "id": ex["id"],
-            "prompt": prompt,
-            "response": c.text,
-            "answer": ex["answer"],
-            "reward": reward,
-            "n_tokens": len(c.token_ids),
-            "truncated": c.finish_reason == "length",
-        }
-        for ex, prompt, c, reward in zip(examples, prompts, completions, rewards, strict=True)
-    ]
+    records = []
+    for ex, prompt, c, reward in zip(examples, prompts, completions, rewards, strict=True):
+        records.append(
+            {
+                "dataset": ex["dataset"],
+                "id": ex["id"],
+                "prompt": prompt,
+                "response": c.text,
+                "answer": ex["answer"],
+                "reward": reward,
+                "n_tokens": len(c.token_ids),
+                "truncated": c.finish_reason == "length",
+            }
+        )
     records = gather(records)
-    sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations])
-    append_jsonl(run_dir / "generations.jsonl", [{"step": step, **sample} for sample in samples])
+    samples = log_generations(policy, tokenizer, records[: args.n_log_generations])
+    append_jsonl(run_dir / "generations.jsonl", [{"step": step, **s} for s in samples])
     metrics = data.eval_metrics(records)
-    print(
-        f"step {step:5d} | eval accuracy {metrics['eval/accuracy']:.3f} format {metrics['eval/format_rate']:.3f}"
-    )
-    return {**metrics, **sample_metrics, "time/eval": time.time() - t0}
+    if samples:
+        entropies = [s["mean_token_entropy"] for s in samples]
+        metrics["eval/sample_token_entropy"] = float(np.mean(entropies))
+    accuracy = metrics["eval/accuracy"]
+    print(f"step {step:5d} | eval accuracy {accuracy:.3f} format {metrics['eval/format_rate']:.3f}")
+    return {**metrics, "time/eval": time.time() - t0}
 
 
-def log_generations(policy, tokenizer, records: list[dict]) -> tuple[dict, list[dict]]:
-    """The trainer's mean token entropy over each record's response: (metrics, records with
-    "mean_token_entropy"). None, not NaN, without records: strict JSON. (data.eval_metrics has the
-    lengths, over all the records.)"""
+def log_generations(policy, tokenizer, records: list[dict]) -> list[dict]:
+    """The records, each with the trainer's mean token entropy over its response."""
     out = []
     for record in records:
         batch = tokenize_prompt_and_output([record["prompt"]], [record["response"]], tokenizer)
         batch = {k: v.to(policy.device) for k, v in batch.items()}
         with torch.no_grad():
-            entropy = get_response_log_probs(policy, batch["input_ids"], batch["labels"], True)[
-                "token_entropy"
-            ]
+            entropy = get_response_log_probs(
+                policy, batch["input_ids"], batch["labels"], return_token_entropy=True
+            )["token_entropy"]
         n_tokens = max(batch["response_mask"].sum().item(), 1)
-        out.append(
-            {
-                **record,
-                "mean_token_entropy": masked_normalize(
-                    entropy, batch["response_mask"], n_tokens
-                ).item(),
-            }
-        )
-    return {
-        "eval/sample_token_entropy": float(np.mean([r["mean_token_entropy"] for r in out]))
-        if out
-        else None
-    }, out
+        mean_entropy = masked_normalize(entropy, batch["response_mask"], n_tokens).item()
+        out.append({**record, "mean_token_entropy": mean_entropy})
+    return out
 
 
 # --- PLUMBING: run folder, devices, checkpoints, logs, ranks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
-# torchrun's; alone: 0 of 1
-RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-# under torchrun: a gloo group, and how long a rank waits in it for the others (docs/distributed.md)
-RANKS = {}
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {
     "resume",
@@ -584,30 +653,29 @@ RESUME_MAY_CHANGE = {
 
 
 def restore_args(args):
-    """With --resume: the stopped run's arguments. A non-default one that differs is refused, unless
-    it may change."""
+    """With --resume: the stopped run's arguments. A non-default argument that differs from
+    the run's is refused, unless it is one a resumed run may change."""
     if not args.resume:
         return args
-    saved, defaults = json.loads((Path(args.resume) / "args.json").read_text()), type(args)()
+    saved = json.loads((Path(args.resume) / "args.json").read_text())
+    defaults = type(args)()
     given = {k: v for k, v in asdict(args).items() if v != getattr(defaults, k)}
-    conflicts = [
-        f"--{k.replace('_', '-')} {v!r} (the run has {saved[k]!r})"
-        for k, v in given.items()
-        if k in saved and saved[k] != v and k not in RESUME_MAY_CHANGE
-    ]
+    conflicts = []
+    for k, v in given.items():
+        if k in saved and saved[k] != v and k not in RESUME_MAY_CHANGE:
+            conflicts.append(f"--{k.replace('_', '-')} {v!r} (the run has {saved[k]!r})")
     if conflicts:
         raise ValueError(
             f"--resume {args.resume} continues a run with other arguments: {', '.join(conflicts)}"
         )
-    return replace(
-        args,
-        **{k: v for k, v in saved.items() if k in defaults.__dataclass_fields__ and k not in given},
-    )
+    fields = defaults.__dataclass_fields__
+    restored = {k: v for k, v in saved.items() if k in fields and k not in given}
+    return replace(args, **restored)
 
 
 def make_run_dir(args) -> Path:
-    """runs/<exp_name>__<seed>__<unix time> (rank 0's time), or the folder being resumed, with
-    args.json in it."""
+    """runs/<exp_name>__<seed>__<unix time> (rank 0's time), or the folder being resumed,
+    with args.json in it."""
     name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.resume or Path(args.output_dir) / gather([name])[0])
     if RANK == 0:
@@ -617,32 +685,44 @@ def make_run_dir(args) -> Path:
 
 
 def resolve_devices(args) -> tuple[str, str, float, float]:
-    """(trainer's device, engine's, the engine's share of its GPU, reload tolerance). The node's
-    GPUs are dealt out to its ranks (one process: one rank), k each: with k >= 2 a rank's trainer
-    takes its first, its engine the second; with k = 1 they share it; with none, both are on the
-    CPU, in float32. "cuda" is "cuda:0", so that they compare."""
-    canonical = lambda d: str(
-        torch.device(d.type, d.index or 0) if (d := torch.device(d)).type == "cuda" else d
-    )
-    # torchrun sets LOCAL_*
-    k = torch.cuda.device_count() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    """(the trainer's device, the engine's, the engine's share of its GPU, the reload
+    tolerance). A node's GPUs are dealt out to its ranks (one process: one rank), k each.
+    With k >= 2 a rank's trainer takes its first GPU and its engine the second; with k = 1
+    they share it; with no GPU both run on the CPU, in float32."""
+    n_gpus = torch.cuda.device_count()
+    n_local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if 0 < n_gpus < n_local_ranks:
+        raise ValueError(
+            f"{n_local_ranks} ranks on this node but {n_gpus} GPUs: "
+            f"run torchrun --nproc-per-node {n_gpus} or fewer"
+        )
+    k = n_gpus // n_local_ranks
     first = int(os.environ.get("LOCAL_RANK", 0)) * k
-    policy_device = canonical(args.policy_device or (f"cuda:{first}" if k else "cpu"))
-    vllm_device = canonical(args.vllm_device or (f"cuda:{first + 1}" if k > 1 else policy_device))
-    # None: the defaults; 0 is a value
-    memory, tol = args.vllm_gpu_memory_utilization, args.reload_tol
-    memory = (0.3 if vllm_device == policy_device else 0.85) if memory is None else memory
-    return (
-        policy_device,
-        vllm_device,
-        memory,
-        (1e-3 if vllm_device == "cpu" else 0.5) if tol is None else tol,
-    )
+    policy_device = args.policy_device or (f"cuda:{first}" if k else "cpu")
+    policy_device = canonical_device(policy_device)
+    vllm_device = args.vllm_device or (f"cuda:{first + 1}" if k > 1 else policy_device)
+    vllm_device = canonical_device(vllm_device)
+    # None means the default; 0 is a value
+    memory = args.vllm_gpu_memory_utilization
+    if memory is None:
+        memory = 0.3 if vllm_device == policy_device else 0.85
+    tol = args.reload_tol
+    if tol is None:
+        tol = 1e-3 if vllm_device == "cpu" else 0.5
+    return policy_device, vllm_device, memory, tol
+
+
+def canonical_device(device: str) -> str:
+    """ "cuda" is "cuda:0", so that two names of one GPU compare equal."""
+    d = torch.device(device)
+    if d.type == "cuda":
+        return f"cuda:{d.index or 0}"
+    return str(d)
 
 
 def load_policy(model_path: str, device: str, gradient_checkpointing: bool, seed: int):
-    """Seed, make the trainer's GPU current (the engine set its own), load in float32, train mode:
-    (model, autocast)."""
+    """Seed, make the trainer's GPU current (the engine set its own), load the model in
+    float32 in train mode: returns (model, autocast), bf16 autocast on a GPU."""
     torch.manual_seed(seed)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -651,70 +731,73 @@ def load_policy(model_path: str, device: str, gradient_checkpointing: bool, seed
     policy.train()
     if gradient_checkpointing:
         policy.gradient_checkpointing_enable()
-    return policy, torch.autocast("cuda", torch.bfloat16) if device.startswith(
-        "cuda"
-    ) else contextlib.nullcontext()
+    if device.startswith("cuda"):
+        return policy, torch.autocast("cuda", torch.bfloat16)
+    return policy, contextlib.nullcontext()
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """A run folder's complete checkpoints, oldest first (step_N.tmp, one being written, is not
-    one)."""
-    return sorted(
-        p for p in (run_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp")
-    )
+    """A run folder's complete checkpoints, oldest first (step_N.tmp is one being written)."""
+    found = (run_dir / "checkpoints").glob("step_*")
+    return sorted(p for p in found if not p.name.endswith(".tmp"))
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, keep: int
+    run_dir: Path, step: int, policy, tokenizer, optimizer, n_updates: int, keep: int
 ) -> None:
-    """checkpoints/step_N: a Hugging Face model folder and trainer_state.pt (no RNG state: all that
-    is random derives from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses
-    nothing. Keeps the newest `keep`."""
-    if RANK:  # the ranks' weights are the same
+    """checkpoints/step_N: a Hugging Face model folder, and trainer_state.pt with the
+    optimizer and the count of its updates (no RNG state: all that is random derives from
+    (seed, step)). Written as step_N.tmp, then renamed: a kill mid-save loses nothing.
+    Keeps the newest `keep` checkpoints (0: all)."""
+    if RANK != 0:
+        # every rank holds the same weights
         return
     final = run_dir / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    state = {"step": step, "n_updates": n_updates, "optimizer": optimizer.state_dict()}
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    for old in checkpoints(run_dir)[:-keep] if keep else []:
-        shutil.rmtree(old)
+    if keep:
+        for old in checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old)
 
 
-def resume_from(run_dir: Path, optimizer, scheduler, *record_files: str) -> int:
-    """Restore the newest checkpoint's optimizer and scheduler, return its step (0 without one).
-    Records written after it are dropped (by rename: a crash leaves the file whole)."""
+def resume_from(run_dir: Path, optimizer, *record_files: str) -> dict:
+    """Restore the newest checkpoint's optimizer; returns its {"step", "n_updates"} (zeros
+    without a checkpoint). Records written after it are dropped (by a rename: a crash
+    leaves each file whole)."""
     if not checkpoints(run_dir):
-        return 0
-    state = torch.load(checkpoints(run_dir)[-1] / "trainer_state.pt", weights_only=False)
+        return {"step": 0, "n_updates": 0}
+    newest = checkpoints(run_dir)[-1]
+    # to the CPU first: a GPU run's state must not all land on the GPU it was saved from
+    state = torch.load(newest / "trainer_state.pt", map_location="cpu", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    for path in [run_dir / name for name in ("metrics.jsonl", "generations.jsonl", *record_files)]:
+    for name in ("metrics.jsonl", "generations.jsonl", *record_files):
+        path = run_dir / name
         if path.exists() and RANK == 0:
-            kept = [
-                line
-                for line in path.read_text().splitlines(True)
-                if json.loads(line)["step"] <= state["step"]
-            ]
-            path.with_name(path.name + ".tmp").write_text("".join(kept))
-            os.replace(path.with_name(path.name + ".tmp"), path)
-    print(f"resumed from {checkpoints(run_dir)[-1]} after step {state['step']}")
-    return state["step"]
+            lines = path.read_text().splitlines(True)
+            kept = [line for line in lines if json.loads(line)["step"] <= state["step"]]
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+    print(f"resumed from {newest} after step {state['step']}")
+    return {"step": state["step"], "n_updates": state["n_updates"]}
 
 
 def append_jsonl(path: Path, records: list[dict], allow_nan: bool = True) -> None:
-    # rank 0 writes what every rank gathered
+    """Append one JSON line per record; only rank 0 writes (what every rank gathered)."""
     with open(path if RANK == 0 else os.devnull, "a") as f:
-        f.writelines(json.dumps(record, allow_nan=allow_nan) + "\n" for record in records)
+        for record in records:
+            f.write(json.dumps(record, allow_nan=allow_nan) + "\n")
 
 
 def make_logger(run_dir: Path, args):
-    """log(metrics, step) appends to metrics.jsonl (NaN as null: strict JSON) and W&B (--track):
-    rank 0, for all."""
+    """log(metrics, step) appends a line to metrics.jsonl (a float NaN as null, so that the
+    file is strict JSON) and, with --track, to W&B."""
     if args.track and RANK == 0:
         import wandb
 
@@ -723,55 +806,83 @@ def make_logger(run_dir: Path, args):
         )
 
     def log(metrics: dict, step: int) -> None:
-        metrics = {
-            k: None if isinstance(v, float) and not math.isfinite(v) else v
-            for k, v in metrics.items()
-        }
-        # a nested NaN: raise
-        append_jsonl(run_dir / "metrics.jsonl", [{"step": step, **metrics}], allow_nan=False)
+        finite = {}
+        for k, v in metrics.items():
+            finite[k] = None if isinstance(v, float) and not math.isfinite(v) else v
+        # allow_nan=False: a NaN nested deeper raises instead of writing invalid JSON
+        append_jsonl(run_dir / "metrics.jsonl", [{"step": step, **finite}], allow_nan=False)
         if args.track and RANK == 0:
-            wandb.log(metrics, step=step)
+            wandb.log(finite, step=step)
 
     return log
 
 
+@contextlib.contextmanager
+def timed(metrics: dict, phase: str):
+    """Adds the seconds the `with` block takes to metrics[f"time/{phase}"]."""
+    t0 = time.time()
+    yield
+    key = f"time/{phase}"
+    metrics[key] = metrics.get(key, 0.0) + time.time() - t0
+
+
+# Data parallel under torchrun (docs/distributed.md): every rank holds a whole model and an
+# engine, generates a share of each step's questions and trains a share of each batch's rows.
+# The gradients are summed over the ranks, so the update is the one a single process makes.
+# Alone: rank 0 of 1.
+RANK = int(os.environ.get("RANK", 0))
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))
+# under torchrun: a gloo group, and how long a rank waits in it for the others
+RANK_GROUP = {}
+
+
 def init_distributed(timeout_s: float) -> None:
-    """Under torchrun: join the ranks (NCCL on GPUs, else gloo) before the engine starts, else it
-    makes a world of its own, and make the gloo group now, while all are here (a collective too).
-    Rank 0 prints."""
-    if WORLD_SIZE > 1:
-        timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
-        RANKS.update(group=dist.new_group(backend="gloo", timeout=timeout), timeout=timeout)
-        sys.stdout = sys.stdout if RANK == 0 else open(os.devnull, "w")
+    """Under torchrun: join the ranks (NCCL on GPUs, else gloo) before the engine starts, or
+    it makes a world of its own, and make the gloo group now, while every rank is here (it is
+    a collective too). Only rank 0 prints."""
+    if WORLD_SIZE == 1:
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+    RANK_GROUP["group"] = dist.new_group(backend="gloo", timeout=timeout)
+    RANK_GROUP["timeout"] = timeout
+    if RANK != 0:
+        sys.stdout = open(os.devnull, "w")
 
 
 def my_share(items: list) -> list:
-    """This rank's contiguous share of a list every rank holds."""
+    """This rank's contiguous share of a list every rank holds: what it generates."""
     return items[RANK * len(items) // WORLD_SIZE : (RANK + 1) * len(items) // WORLD_SIZE]
 
 
+def rows_to_train(rows: list) -> list:
+    """This rank's rows of a batch every rank holds: every WORLD_SIZE-th, from its own."""
+    return rows[RANK::WORLD_SIZE]
+
+
 def gather(items: list) -> list:
-    """Every rank's list, concatenated in rank order, after a monitored_barrier (it names a rank
-    that does not come)."""
-    if not RANKS:
+    """Every rank's list, concatenated in rank order, after a monitored_barrier (which names
+    a rank that does not come)."""
+    if not RANK_GROUP:
         return items
-    dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
+    dist.monitored_barrier(RANK_GROUP["group"], RANK_GROUP["timeout"])
     parts = [None] * WORLD_SIZE
-    dist.all_gather_object(parts, items, group=RANKS["group"])
+    dist.all_gather_object(parts, items, group=RANK_GROUP["group"])
     return [item for part in parts for item in part]
 
 
 def sum_over_ranks(model, *tensors: torch.Tensor) -> None:
-    """Sum the gradients and these tensors over the ranks, in place: DDP's all-reduce by hand
-    (docs/distributed.md)."""
-    if RANKS:
-        dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
-        for p in model.parameters():
+    """Sum the gradients and these tensors over the ranks, in place: DDP's all-reduce, by
+    hand."""
+    if not RANK_GROUP:
+        return
+    dist.monitored_barrier(RANK_GROUP["group"], RANK_GROUP["timeout"])
+    for p in model.parameters():
+        if p.grad is None:
             # a rank with no rows in this minibatch
-            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-        for tensor in [p.grad for p in model.parameters()] + list(tensors):
-            dist.all_reduce(tensor)
+            p.grad = torch.zeros_like(p)
+    for tensor in [p.grad for p in model.parameters()] + list(tensors):
+        dist.all_reduce(tensor)
 
 
 if __name__ == "__main__":
