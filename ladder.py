@@ -103,139 +103,56 @@ PIN_ISA = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 def stage_commands(
     args: Args, run_dir: Path, sft_checkpoint: str, teacher: str = ""
 ) -> dict[str, list[str]]:
-    """The command line of every training stage. The checkpoints are only known once sft.py has
-    run."""
+    """The command line of every training stage. The checkpoints are only known once sft.py
+    has run."""
     common = [*SHARED, "--seed", str(args.seed), "--output-dir", str(run_dir)]
-    sft = [
-        "--batch-size",
-        "32",
-        "--microbatch-size",
-        "32",
-        "--lr",
-        "3e-3",
-        "--max-seq-len",
-        "128",
-        "--eval-every",
-        "125",
-        "--n-eval",
-        "256",
-        "--eval-max-tokens",
-        "64",
-        "--save-every",
-        "100000",
-    ]
+    base = str(run_dir / "base")
+    sft = (
+        "--batch-size 32 --microbatch-size 32 --lr 3e-3 --max-seq-len 128 --eval-every 125"
+        " --n-eval 256 --eval-max-tokens 64 --save-every 100000"
+    ).split()
+    # GRPO's 5 warmup steps: 4 optimizer steps each (256 responses, 64 per update)
+    grpo = (
+        "--rollout-batch-size 256 --group-size 8 --train-batch-size 64 --microbatch-size 64"
+        " --lr 1e-4 --warmup-steps 20 --lr-schedule cosine --n-eval 256 --eval-every 10"
+        " --save-every 100000"
+    ).split()
+    distill = (
+        "--rollout-batch-size 256 --group-size 8 --microbatch-size 64 --lr 1e-4"
+        " --warmup-steps 5 --n-eval 256 --eval-every 10 --save-every 100000"
+    ).split()
+    expert_iter = (
+        "--n-questions 256 --group-size 4 --lr 1e-4 --warmup-steps 5 --batch-size 32"
+        " --microbatch-size 32 --max-seq-len 160 --n-eval 256"
+    ).split()
+    n_examples = ["--n-examples", str(args.sft_examples)]
     return {
         "tiny_model": [
             "tiny_model.py",
-            "--out",
-            str(run_dir / "base"),
-            "--n-layers",
-            str(args.n_layers),
-            "--seed",
-            str(args.seed),
+            *["--out", base, "--n-layers", str(args.n_layers), "--seed", str(args.seed)],
         ],
         "sft": [
             "sft.py",
-            "--model",
-            str(run_dir / "base"),
-            *common,
-            "--sft-file",
-            str(run_dir / TRACES),
-            "--n-examples",
-            str(args.sft_examples),
-            *sft,
+            *["--model", base, *common, "--sft-file", str(run_dir / TRACES), *n_examples, *sft],
         ],
         "gold_sft": [
             "sft.py",
-            "--model",
-            str(run_dir / "base"),
-            *common,
-            "--exp-name",
-            "gold_sft",
-            "--n-examples",
-            str(args.sft_examples),
-            *sft,
+            *["--model", base, *common, "--exp-name", "gold_sft", *n_examples, *sft],
         ],
         "distill": [
             "distill.py",
-            "--model",
-            sft_checkpoint,
-            "--teacher",
-            teacher,
-            *common,
-            "--n-distill-steps",
-            str(args.grpo_steps),
-            "--rollout-batch-size",
-            "256",
-            "--group-size",
-            "8",
-            "--microbatch-size",
-            "64",
-            "--lr",
-            "1e-4",
-            "--warmup-steps",
-            "5",
-            *LENGTHS,
-            "--n-eval",
-            "256",
-            "--eval-every",
-            "10",
-            "--save-every",
-            "100000",
+            *["--model", sft_checkpoint, "--teacher", teacher, *common],
+            *["--n-distill-steps", str(args.grpo_steps), *LENGTHS, *distill],
         ],
         "expert_iter": [
             "expert_iter.py",
-            "--model",
-            sft_checkpoint,
-            *common,
-            "--n-ei-steps",
-            str(args.ei_steps),
-            "--n-questions",
-            "256",
-            "--group-size",
-            "4",
-            *LENGTHS,
-            "--lr",
-            "1e-4",
-            "--warmup-steps",
-            "5",
-            "--batch-size",
-            "32",
-            "--microbatch-size",
-            "32",
-            "--max-seq-len",
-            "160",
-            "--n-eval",
-            "256",
+            *["--model", sft_checkpoint, *common],
+            *["--n-ei-steps", str(args.ei_steps), *LENGTHS, *expert_iter],
         ],
         "grpo": [
             "grpo.py",
-            "--model",
-            sft_checkpoint,
-            *common,
-            "--n-grpo-steps",
-            str(args.grpo_steps),
-            "--rollout-batch-size",
-            "256",
-            "--group-size",
-            "8",
-            "--train-batch-size",
-            "64",
-            "--microbatch-size",
-            "64",
-            "--lr",
-            "1e-4",
-            "--warmup-steps",
-            "5",
-            "--lr-schedule",
-            "cosine",
-            *LENGTHS,
-            "--n-eval",
-            "256",
-            "--eval-every",
-            "10",
-            "--save-every",
-            "100000",
+            *["--model", sft_checkpoint, *common],
+            *["--n-grpo-steps", str(args.grpo_steps), *LENGTHS, *grpo],
         ],
     }
 

@@ -410,7 +410,8 @@ def test_sft_run_learns_reloads_and_checks(tiny_model_dir, tmp_path):
     hf_ids = model.generate(input_ids, max_new_tokens=12, do_sample=False)[
         0, input_ids.shape[1] :
     ].tolist()
-    assert vllm_ids == hf_ids[: len(vllm_ids)] and len(vllm_ids) >= 1
+    # the same tokens, and the same end: at max_tokens, or at the EOS, which both keep
+    assert vllm_ids == hf_ids and len(vllm_ids) >= 1
 
 
 # One step of 4 examples; the check after it, before the final evaluation, must stop the run.
@@ -469,14 +470,15 @@ def test_resume_ends_where_an_uninterrupted_run_ends(tiny_model_dir, tmp_path):
     final_a = AutoModelForCausalLM.from_pretrained(sft.checkpoints(straight)[-1]).state_dict()
     final_b = AutoModelForCausalLM.from_pretrained(sft.checkpoints(resumed)[-1]).state_dict()
     assert [p.name for p in (resumed / "checkpoints").iterdir()] == ["step_000004"]
+    # bit for bit on a CPU: everything random derives from (seed, step)
     for name, tensor in final_a.items():
-        assert torch.allclose(tensor, final_b[name], atol=1e-6), name
+        assert torch.equal(tensor, final_b[name]), name
     losses_a = [m["train/loss"] for m in read_metrics(straight) if "train/loss" in m]
     losses_b = {m["step"]: m["train/loss"] for m in read_metrics(resumed) if "train/loss" in m}
     # The records the dead run wrote after its last checkpoint (step 3) were dropped and rewritten:
     # one per step.
     assert [m["step"] for m in read_metrics(resumed) if "train/loss" in m] == [1, 2, 3, 4]
-    assert losses_b[4] == pytest.approx(losses_a[3], abs=1e-6)
+    assert losses_b[4] == losses_a[3]
 
 
 @pytest.mark.usefixtures("free_engines")
@@ -500,10 +502,10 @@ def test_background_evaluation_equals_a_foreground_one_of_the_same_weights(
         run_args(tiny_model_dir, tmp_path / "run", eval_in_background=True, **common)
     )
     rows = read_metrics(run_dir)
-    # Logged when collected: step 2's evaluation comes after the training of steps 3 and 4 that ran
+    # Logged when collected, as step 4's evaluation starts: after step 3's training, which ran
     # beside it.
     order = [(m["step"], "eval/accuracy" in m) for m in rows]
-    assert order.index((2, True)) > order.index((4, False))
+    assert order.index((2, True)) > order.index((3, False))
     background = {m["step"]: m for m in rows if "eval/accuracy" in m}
     samples = [json.loads(line) for line in open(run_dir / "generations.jsonl")]
 

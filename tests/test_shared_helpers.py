@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ["sft.py", "expert_iter.py", "grpo.py", "distill.py"]
-BANNER = re.compile(r"^# --- .*---$")
+# A banner at any indentation: the steps inside main that every script shares are checked too.
+BANNER = re.compile(r"^\s*# --- .*---$")
 
 
 def blocks(script: str) -> dict[str, str]:
