@@ -63,7 +63,9 @@ def test_select_correct_keeps_exactly_the_accepted_responses_deduplicated():
     # what the verifier says, checked by hand
     assert rewards == [[1, 0, 1, 1, 0, 0, 0], [0, 0, 1], [1, 1]]
 
-    kept = expert_iter.select_correct(examples, ["P1", "P2", "P3"], responses, rewards)
+    # each response's length, for rollout/kept_length: the first of two equal texts is the one kept
+    n_tokens = [[10, 11, 12, 13, 14, 15, 16], [20, 21, 22], [30, 31]]
+    kept = expert_iter.select_correct(examples, ["P1", "P2", "P3"], responses, rewards, n_tokens)
     assert [(p["prompt"], p["response"]) for p in kept] == [
         ("P1", right),
         ("P1", " </think> <answer>42</answer>"),
@@ -71,6 +73,7 @@ def test_select_correct_keeps_exactly_the_accepted_responses_deduplicated():
         ("P3", same_text_as_q3),
     ]
     assert [p["example"]["id"] for p in kept] == ["q1", "q1", "q2", "q3"]
+    assert [p["n_tokens"] for p in kept] == [10, 13, 22, 30]
     assert all(verifiers.score(p["response"], p["example"])["reward"] == 1 for p in kept)
 
 
@@ -175,7 +178,8 @@ def run_args(tiny_model_dir, tmp_path, **overrides) -> expert_iter.Args:
         batch_size=8,
         microbatch_size=4,
         lr=1e-3,
-        warmup_steps=0,
+        # counted in optimizer steps over the whole run: every update below is still warming up
+        warmup_steps=20,
         max_seq_len=256,
         n_eval=4,
         eval_max_tokens=8,
@@ -209,7 +213,7 @@ def straight_run(tiny_model_dir, tmp_path_factory):
 def test_ei_run_samples_filters_trains_reloads_and_logs(straight_run, tiny_model_dir):
     metrics = read_jsonl(straight_run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
-    assert metrics[0]["reload/eval_logprob_gap"] < 1e-4
+    assert metrics[0]["reload/logprob_gap"] < 1e-4
     n_samples = 8 * 4
     keys = [
         "rollout/frac_solved",
@@ -227,15 +231,15 @@ def test_ei_run_samples_filters_trains_reloads_and_logs(straight_run, tiny_model
         "train/n_updates",
         "train/response_tokens",
         "reload/logprob_gap",
-        "reload/eval_logprob_gap",
         "eval/accuracy",
         "eval/format_rate",
-        "time/step",
     ]
+    n_updates = 0
     for m in metrics[1:]:
         assert set(keys) <= m.keys(), set(keys) - m.keys()
-        # The engine followed the trainer at every reload: before sampling and before evaluating.
-        assert m["reload/logprob_gap"] < 1e-4 and m["reload/eval_logprob_gap"] < 1e-4
+        # The engine followed the trainer at every reload: after each step's update, so it sampled
+        # and evaluated with the weights being trained.
+        assert m["reload/logprob_gap"] < 1e-4
         assert 0 < m["rollout/frac_solved"] <= 1 and 0 < m["rollout/accuracy"] < 1
         # Some responses were rejected; duplicates only ever shrink what is kept.
         assert 0 < m["rollout/n_kept"] <= m["rollout/n_correct"] < n_samples
@@ -246,11 +250,14 @@ def test_ei_run_samples_filters_trains_reloads_and_logs(straight_run, tiny_model
         # 2 epochs over the kept responses in batches of 8, the last one of each epoch possibly
         # short.
         assert m["train/n_updates"] == 2 * -(-m["rollout/n_kept"] // 8)
+        # the lr of the step's last update, the warmup counting the updates of every step before
+        n_updates += m["train/n_updates"]
+        assert m["train/lr"] == pytest.approx(1e-3 * (n_updates - 1) / 20)
         assert 0 < m["train/loss"] < 20 and 0 < m["train/entropy"] < 7.0  # log(1024 tokens) = 6.93
         # at least one token + EOS per response
         assert m["train/response_tokens"] > m["rollout/n_kept"]
         assert 0 <= m["eval/accuracy"] <= 1 and "eval/sample_token_entropy" in m
-        for phase in ("reload", "generate", "score", "train", "eval", "step"):
+        for phase in ("generate", "score", "train", "reload", "eval"):
             assert m[f"time/{phase}"] >= 0
     # Only what the reward in force accepted was trained on, each distinct response once per
     # question and step.
@@ -273,14 +280,14 @@ def test_ei_run_samples_filters_trains_reloads_and_logs(straight_run, tiny_model
 
 @pytest.mark.usefixtures("free_engines")
 def test_skipped_reload_trips_the_check(tiny_model_dir, tmp_path, monkeypatch):
-    # The first reloads pass (the engine starts with the trainer's weights); the one after the first
-    # update must not.
+    # The first reload passes (the engine starts with the trainer's weights); the one after the
+    # first update must not.
     monkeypatch.setattr(verifiers, "score", parity_reward)
     monkeypatch.setattr(expert_iter, "load_policy_into_vllm", lambda policy, llm, device: None)
+    # no warmup: the first update must change the weights (a warmup's first lr is 0)
+    one_step = dict(n_ei_steps=1, n_questions=4, n_sft_epochs=1, warmup_steps=0)
     with pytest.raises(RuntimeError, match="does not follow the trainer") as error:
-        expert_iter.main(
-            run_args(tiny_model_dir, tmp_path, n_ei_steps=1, n_questions=4, n_sft_epochs=1)
-        )
+        expert_iter.main(run_args(tiny_model_dir, tmp_path, **one_step))
     # the weights read back are the old ones
     assert "weights that differ []" not in str(error.value)
 
@@ -312,6 +319,8 @@ def test_resume_ends_where_an_uninterrupted_run_ends(
     resumed_step_2 = read_jsonl(resumed / "metrics.jsonl")[-1]
     assert resumed_step_2["step"] == 2
     assert resumed_step_2["rollout/n_kept"] == straight_step_2["rollout/n_kept"]
+    # the warmup went on from the checkpoint's count of updates
+    assert resumed_step_2["train/lr"] == straight_step_2["train/lr"]
     assert resumed_step_2["train/loss"] == pytest.approx(straight_step_2["train/loss"], abs=1e-5)
     final_a = AutoModelForCausalLM.from_pretrained(
         expert_iter.checkpoints(straight_run)[-1]
