@@ -1,6 +1,7 @@
 # GPU image: any script runs as `docker run --gpus all IMAGE grpo.py --model Qwen/Qwen3-1.7B-Base`.
 # python:3.11 (not -slim) because Triton, which vLLM uses on GPUs, compiles small C launchers with gcc at run time.
-# vLLM's wheel brings its CUDA libraries through torch's nvidia-* packages; the host needs only the NVIDIA driver.
+# vLLM's wheel brings its CUDA libraries through torch's nvidia-* packages; the host needs only the NVIDIA driver,
+# 580 or newer: the vLLM 0.32.0 wheel is built for CUDA 13 (it links libnvrtc.so.13).
 FROM python:3.11
 WORKDIR /app
 # bubblewrap: the code sandbox (verifiers.run_program) runs model-written programs in namespaces with no network

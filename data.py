@@ -1,40 +1,36 @@
 """Datasets and prompt templates: everything between a benchmark file and the strings a model sees.
 
 1. `load(dataset, split, data_dir=None)` returns a list of plain dicts, one per problem:
-     gsm8k      train 6961 / val 512 / test 1319   (val is held out of the official train split)
-     math       train 7500 / test 5000             (Hendrycks et al. 2021, the full MATH) math500
-     test 500                           (the MATH-500 subset of "Let's Verify Step by Step")
-     synthetic  train 20000 / val 256 / test 512   (arithmetic word problems a tiny model can learn
-     on a CPU) mbpp       train 374 / val 90 / test 500 / prompt 10   (Python tasks with 3 asserts;
-     split by task_id) mbpp_sanitized   the hand-verified 427 of them, same task_id split (train 120
-     / val 43 / test 257 / prompt 7) humaneval  test 164                           (a function's
-     signature and docstring; the body is the answer) ifeval     train 8000 / test 541
-     (instruction following; `answer` holds the instructions)
-   Every example has `id`, `prompt` (the raw question, not templated), `answer` (the normalized gold
-   answer), `solution` (the worked solution as in the source) and `verifier` ("gsm8k" | "math" |
-   "synthetic" | "code": which reward function grades it). Code examples add `tests` (the code that
-   checks a program: asserts, or HumanEval's check(candidate)); HumanEval adds `code_prompt` and
-   `completion_stop`. MATH and MATH-500 add `level` (int 1-5, or None) and `subject`; MATH-500 adds
-   `answer_given` (the dataset's own `answer` field).
-2. Gold answers: `parse_gsm8k_answer` (the "#### N" line) and `last_boxed` (the last \\boxed{...}).
+     gsm8k           train 6961 / val 512 / test 1319 (val is held out of the official train split)
+     math            train 7500 / test 5000 (Hendrycks et al. 2021, the full MATH)
+     math500         test 500 (the MATH-500 subset of "Let's Verify Step by Step")
+     synthetic       train 20000 / val 256 / test 512 (word problems a tiny model learns on a CPU)
+     mbpp            train 374 / val 90 / test 500 / prompt 10 (Python tasks, 3 asserts each)
+     mbpp_sanitized  train 120 / val 43 / test 257 / prompt 7 (427 of them, hand-verified)
+     humaneval       test 164 (a function's signature and docstring; the body is the answer)
+     ifeval          train 8000 / test 541 (instruction following)
+   (MBPP's splits are by task_id.) Every example has `id`, `prompt` (the raw question, not
+   templated), `answer` (the normalized gold answer), `solution` (the worked solution as in the
+   source) and `verifier` ("gsm8k" | "math" | "synthetic" | "code" | "ifeval": which reward
+   function grades it). Code examples add `tests` (the code that checks a program); HumanEval adds
+   `code_prompt` and `completion_stop`. MATH and MATH-500 add `level` (int 1-5, or None) and
+   `subject`; MATH-500 adds `answer_given`. An IFEval example's `answer` holds its instructions.
+2. Gold answers: `parse_gsm8k_answer` (the "#### N" line) and `last_boxed_in_solution`.
 3. The synthetic task: `make_synthetic(n, seed, ...)`, and `flawed_teacher`: its solutions by a
-teacher who errs.
-4. Prompt templates: `render_prompt` (what the model is given), `render_response` (the SFT target),
-   `stop_strings` (where generation stops) and `gsm8k_fewshot` (the k-shot exemplars).
+   teacher who errs.
+4. Prompt templates: `render_prompt` (what the model is given), `render_response` (the SFT
+   target), `stop_strings` (where generation stops) and `gsm8k_fewshot` (the k-shot exemplars).
 5. Mixtures: `parse_mixture("gsm8k:0.5,math:0.5")`, `read_order` (a curriculum file of ids),
-`dataset_templates`,
-   `eval_split`, `load_mixture` (all datasets' examples, each naming its dataset) and
-   `mixture_questions_and_seeds`: the questions of a training step, drawn by weight from (seed,
-   step) alone.
+   `dataset_templates`, `eval_split`, `load_mixture` and `mixture_questions_and_seeds` (the
+   questions of a training step, drawn by weight from (seed, step) alone).
 6. What a training script calls: `load_task(args)`, a `Task` (its prompts, stop strings, the
-questions of a step,
-   per-dataset metrics), `eval_metrics`, and for SFT `sft_pairs` (a JSONL file's or the solutions)
-   and `batch_order`.
+   questions of a step, per-dataset metrics), `eval_metrics`, and for SFT `sft_pairs` and
+   `batch_order`.
 
-data_dir=None reads the Hugging Face hub; data_dir="../shared/data" (the data root: gsm8k/, math/,
-... one folder per dataset, see `dataset_dir`) reads the local JSONL copies. Both run the same
-checks: a bad row raises DataError naming where it is (file and line, or hub row) and which field.
-Nothing is dropped silently.
+data_dir=None reads the Hugging Face hub; data_dir="../shared/data" (the data root, one folder per
+dataset: see `dataset_dir`) reads the local JSONL copies. Both run the same checks: a bad row
+raises DataError naming where it is (file and line, or hub row) and which field. Nothing is
+dropped silently.
 """
 
 import json
@@ -59,8 +55,7 @@ SPLITS = {
 
 
 class DataError(ValueError):
-    """A row that cannot become an example. The message says where (file and line, or hub row) and
-    which field."""
+    """A row that cannot become an example; the message says where it is and which field."""
 
 
 # datasets read from another dataset's folder
@@ -68,8 +63,7 @@ FOLDERS = {"math500": "math", "mbpp_sanitized": "mbpp"}
 
 
 def dataset_dir(dataset: str, data_dir: str | Path | None) -> Path | None:
-    """The folder of `dataset` under the data root `data_dir` (../shared/data/gsm8k, .../math for
-    math500)."""
+    """The folder of `dataset` under the data root: ../shared/data/gsm8k, .../math for math500."""
     if data_dir is None or dataset == "synthetic":
         return None
     folder = Path(data_dir) / FOLDERS.get(dataset, dataset)
@@ -82,8 +76,7 @@ def dataset_dir(dataset: str, data_dir: str | Path | None) -> Path | None:
 
 
 def load(dataset: str, split: str, data_dir: str | Path | None = None) -> list[dict]:
-    """Examples of one split, in the source's row order. data_dir=None reads the hub; synthetic
-    ignores it."""
+    """Examples of one split, in the source's row order. data_dir=None reads the hub."""
     if dataset not in SPLITS:
         raise ValueError(f"unknown dataset {dataset!r}; choose from {list(SPLITS)}")
     if split not in SPLITS[dataset]:
@@ -150,8 +143,7 @@ GSM8K_VAL_SEED = 0
 
 
 def normalize_number(text: str) -> str | None:
-    """Canonical form of a plain decimal number ("1,234.50" -> "1234.5", "+7" -> "7", "-0" -> "0"),
-    else None."""
+    """Canonical form of a plain decimal number, else None: "1,234.50" -> "1234.5", "-0" -> "0"."""
     match = re.fullmatch(r"([-+]?)(\d+)(?:\.(\d+))?", text.strip().replace(",", ""))
     if match is None:
         return None
@@ -168,7 +160,8 @@ def parse_gsm8k_answer(solution: str) -> str | None:
 
 
 def _gsm8k_example(where: str, row: dict, id: str) -> dict:
-    question, solution = _field(row, "question", where), _field(row, "answer", where)
+    question = _field(row, "question", where)
+    solution = _field(row, "answer", where)
     answer = parse_gsm8k_answer(solution)
     if answer is None:
         raise DataError(
@@ -184,8 +177,7 @@ def _gsm8k_example(where: str, row: dict, id: str) -> dict:
 
 
 def _load_gsm8k_official(split: str, data_dir: str | Path | None) -> list[dict]:
-    """An official split ("train" 7473 or "test" 1319); ids are "<split>/<row index>" in the
-    official file."""
+    """An official split ("train" 7473 or "test" 1319); ids are "<split>/<row in the file>"."""
     if data_dir is None:
         rows = _read_hub("openai/gsm8k", "main", split)
     else:
@@ -205,8 +197,7 @@ def _load_gsm8k(split: str, data_dir: str | Path | None) -> list[dict]:
 
 
 def gsm8k_fewshot(k: int = 5, data_dir: str | Path | None = None) -> list[dict]:
-    """The first k rows of the *official* GSM8K train file (some may be in our val split), for
-    "gsm8k_kshot"."""
+    """The first k rows of the *official* GSM8K train file (some in our val split): gsm8k_kshot."""
     return _load_gsm8k_official("train", dataset_dir("gsm8k", data_dir))[:k]
 
 
@@ -222,12 +213,11 @@ def lm_eval_fewshot(pool: list[dict], questions: list[dict], k: int) -> dict[str
 
 
 def gsm8k_lm_eval_fewshot(k: int = 5, data_dir: str | Path | None = None) -> dict[str, list[dict]]:
-    """The k shots lm-eval's `gsm8k` puts before each test question, by id: drawn from the official
-    train file."""
+    """The k shots lm-eval's `gsm8k` puts before each test question, by id, from the train file."""
     root = dataset_dir("gsm8k", data_dir)
-    return lm_eval_fewshot(
-        _load_gsm8k_official("train", root), _load_gsm8k_official("test", root), k
-    )
+    pool = _load_gsm8k_official("train", root)
+    questions = _load_gsm8k_official("test", root)
+    return lm_eval_fewshot(pool, questions, k)
 
 
 # --- MATH (Hendrycks et al. 2021) and MATH-500: the gold answer is the last \boxed{...} of the solution ---
@@ -246,27 +236,27 @@ MATH_SUBJECTS = (
     "prealgebra",
     "precalculus",
 )
-# split test; fields problem/solution/answer/subject/level/unique_id
+# one split, test; fields problem/solution/answer/subject/level/unique_id
 MATH500_HUB = "HuggingFaceH4/MATH-500"
 
 # Two MATH train solutions end in an empty "\boxed{}", a defect of the original release. Both are
 # multiple-choice problems whose solutions argue for choice (A), 0. Keyed by the problem's start so
 # the fix also applies on the hub.
+# The two: train/number_theory/7115.json and 7117.json.
 _MATH_GOLD_FIXES = {
-    # train/number_theory/7115.json
     "For any integer $n>1$, the number of prime numbers greater than $n!+1$": "0",
-    # train/number_theory/7117.json
     "You are given a sequence of $58$ terms; each term has the form $P+n$": "0",
 }
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} or \\fbox{...} in `text`, braces balanced; None if absent or
-    unbalanced.
+def last_boxed_in_solution(text: str) -> str | None:
+    """The gold of a MATH solution: the content of its last \\boxed{...} or \\fbox{...}, braces
+    balanced; None if absent or unbalanced.
 
-    Escaped braces (\\{ \\}) are not counted. Like the original MATH grader, it also reads the
-    brace-less form "\\boxed 9" (two MATH train solutions use it): the content is then the text up
-    to the next space or "$".
+    Read as the original MATH grader reads a solution, more leniently than
+    verifiers.last_boxed_in_response reads a model's response: escaped braces (\\{ \\}) are not
+    counted, and the brace-less "\\boxed 9" of two train solutions gives the text up to the next
+    space or "$".
     """
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
@@ -276,7 +266,8 @@ def last_boxed(text: str) -> str | None:
     if not rest.startswith("{"):
         bare = re.match(r"\s+([^\s$]+)", text[i:])
         return bare.group(1) if bare else None
-    depth, j = 0, 0
+    depth = 0
+    j = 0
     while j < len(rest):
         if rest[j] == "\\":
             j += 2  # skip an escaped character such as \{ or \}
@@ -302,8 +293,9 @@ def _math_level(row: dict, where: str) -> int | None:
 
 
 def _math_example(where: str, row: dict, id: str, subject_field: str) -> dict:
-    problem, solution = _field(row, "problem", where), _field(row, "solution", where)
-    answer = last_boxed(solution)
+    problem = _field(row, "problem", where)
+    solution = _field(row, "solution", where)
+    answer = last_boxed_in_solution(solution)
     if answer == "":
         answer = next(
             (gold for start, gold in _MATH_GOLD_FIXES.items() if problem.startswith(start)), ""
@@ -339,11 +331,10 @@ def _load_math(split: str, data_dir: str | Path | None) -> list[dict]:
 
 
 def _load_math500(split: str, data_dir: str | Path | None) -> list[dict]:
-    rows = (
-        _read_hub(MATH500_HUB, None, split)
-        if data_dir is None
-        else _read_jsonl(Path(data_dir) / "math500.jsonl")
-    )
+    if data_dir is None:
+        rows = _read_hub(MATH500_HUB, None, split)
+    else:
+        rows = _read_jsonl(Path(data_dir) / "math500.jsonl")
     examples = []
     for where, row in rows:
         example = _math_example(where, row, _field(row, "unique_id", where), "subject")
@@ -367,12 +358,12 @@ def math_fewshot(k: int = 4, data_dir: str | Path | None = None) -> dict[str, li
     ("hendrycks_math_kshot"): each subject is a task of its own there, with its own sampler drawing
     from that subject's train problems."""
     root = dataset_dir("math", data_dir)
-    train, test = _load_math("train", root), _load_math("test", root)
+    train = _load_math("train", root)
+    test = _load_math("test", root)
     shots = {}
     for subject in sorted({ex["subject"] for ex in test}):
-        pool, questions = (
-            [ex for ex in split if ex["subject"] == subject] for split in (train, test)
-        )
+        pool = [ex for ex in train if ex["subject"] == subject]
+        questions = [ex for ex in test if ex["subject"] == subject]
         shots.update(lm_eval_fewshot(_hub_order(pool), _hub_order(questions), k))
     return shots
 
@@ -403,32 +394,36 @@ def make_synthetic(
     A problem starts from a count in 1..max_operand and applies 1..max_steps steps, each adding
     1..max_operand or removing 1..min(current count, max_operand), so every intermediate result and
     the answer are integers >= 0:
-      prompt   "Tom has 4 marbles. He sells 3 and gets 9 more and gets 6 more and buys 7 more. How
-      many marbles
-                does he have now?"
-      solution "4 - 3 = 1. 1 + 9 = 10. 10 + 6 = 16. 16 + 7 = 23."   answer "23"
-    The defaults (one-digit operands, up to 4 steps) make a multi-step task that a 4-layer,
-    0.9M-parameter model learns to 40-80% greedy accuracy (by seed) in one SFT epoch (625 steps, ~3
-    minutes on 2 cores); with two-digit operands (max_operand=99, max_steps=2) it needed 1250 steps
-    to reach ~20%: its errors were carries. Problems are distinct in their numbers and operations
-    (not only in wording), so a split cut from this list never asks a computation that another split
-    asks. Only `random.Random(seed)` is used: same output everywhere.
+      prompt    "Tom has 4 marbles. He sells 3 and gets 9 more and gets 6 more and buys 7 more.
+                How many marbles does he have now?"
+      solution  "4 - 3 = 1. 1 + 9 = 10. 10 + 6 = 16. 16 + 7 = 23."
+      answer    "23"
+    The defaults (one-digit operands, up to 4 steps) make a multi-step task that the ladder's
+    4-layer, 0.85M-parameter model learns from the gold solutions to 78.5 / 32.6 / 82.6% greedy
+    test accuracy (seeds 1 / 2 / 3) in one SFT epoch (625 steps, ~3.5 minutes on 2 cores;
+    docs/ladder.md). With two-digit operands (max_operand=99, max_steps=2) it needed 1250 steps to
+    reach ~20%: its errors were carries. Problems are distinct in their numbers and operations (not
+    only in wording), so a split cut from this list never asks a computation that another split
+    asks. Only `random.Random(seed)` is used: the same output everywhere.
     """
     rng = random.Random(seed)
-    examples, seen = [], set()
+    examples = []
+    # (start, steps) of every problem made: a repeat is drawn again
+    seen = set()
     while len(examples) < n:
         name, pronoun = rng.choice(_NAMES)
         things = rng.choice(_OBJECTS)
         total = start = rng.randint(1, max_operand)
-        steps, phrases, equations = [], [], []
+        steps = []
+        phrases = []
+        equations = []
         for _ in range(rng.randint(1, max_steps)):
             add = total == 0 or rng.random() < 0.5
             x = rng.randint(1, max_operand if add else min(total, max_operand))
             phrases.append(rng.choice(_MORE if add else _LESS).format(x))
-            equations.append(
-                f"{total} {'+' if add else '-'} {x} = {total + x if add else total - x}."
-            )
-            total = total + x if add else total - x
+            result = total + x if add else total - x
+            equations.append(f"{total} {'+' if add else '-'} {x} = {result}.")
+            total = result
             steps.append((add, x))
         key = (start, tuple(steps))
         if key in seen:
@@ -451,8 +446,7 @@ def make_synthetic(
 
 
 def carries(total: int, x: int) -> bool:
-    """Whether the addition total + x carries into the tens: a count >= 0 whose units digit
-    overflows (17 + 5)."""
+    """Whether the addition total + x carries: a count >= 0 whose units digit overflows (17 + 5)."""
     return total >= 0 and total % 10 + x >= 10
 
 
@@ -474,7 +468,8 @@ def flawed_teacher(example: dict, forget_carry: float, rng: random.Random) -> di
         raise ValueError(
             f"{example['id']}: solution {example['solution']!r} is not a synthetic one"
         )
-    total, steps = int(equations[0][0]), []
+    total = int(equations[0][0])
+    steps = []
     for _, op, x in equations:
         x = int(x)
         if op == "-":
@@ -498,8 +493,7 @@ def _load_synthetic(split: str, data_dir: str | Path | None) -> list[dict]:
 
 # --- Code: MBPP (Austin et al. 2021) and HumanEval (Chen et al. 2021); verifier "code" runs the tests ---
 
-# MBPP's own split by task_id (its README; the hub's google-research-datasets/mbpp has the same four
-# splits).
+# MBPP's own split by task_id (its README; the hub's google-research-datasets/mbpp has the same).
 MBPP_SPLIT_IDS = {
     "prompt": range(1, 11),
     "test": range(11, 511),
@@ -507,17 +501,17 @@ MBPP_SPLIT_IDS = {
     "train": range(601, 975),
 }
 MBPP_FEWSHOT_IDS = (2, 3, 4)  # lm-eval's 3 shots, from the prompt split
-# lm-eval's `humaneval` stop strings: a completion ends where the next top-level statement would
-# start.
+# lm-eval's `humaneval` stops: a completion ends where the next top-level statement would start.
 HUMANEVAL_STOP = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
 
 
 def _mbpp_example(where: str, row: dict, text_field: str) -> dict:
-    task_id, code = _field(row, "task_id", where, int), _field(row, "code", where)
+    task_id = _field(row, "task_id", where, int)
+    code = _field(row, "code", where)
     tests = _field(row, "test_list", where, list)
     if len(tests) < 3 or not all(isinstance(t, str) and t.startswith("assert") for t in tests):
         raise DataError(f"{where}: field 'test_list' should hold at least 3 assert statements")
-    # full / sanitized
+    # the full MBPP has test_setup_code, the sanitized one test_imports
     setup = row.get("test_setup_code") or "\n".join(row.get("test_imports") or [])
     text = _field(row, text_field, where)
     return {
@@ -564,8 +558,10 @@ def _load_humaneval(split: str, data_dir: str | Path | None) -> list[dict]:
         rows = _read_jsonl(Path(data_dir) / "HumanEval.jsonl")
     examples = []
     for where, row in rows:
-        prompt, entry_point = _field(row, "prompt", where), _field(row, "entry_point", where)
-        solution, test = _field(row, "canonical_solution", where), _field(row, "test", where)
+        prompt = _field(row, "prompt", where)
+        entry_point = _field(row, "entry_point", where)
+        solution = _field(row, "canonical_solution", where)
+        test = _field(row, "test", where)
         if "def check(" not in test:
             raise DataError(f"{where}: field 'test' defines no check(candidate)")
         examples.append(
@@ -584,11 +580,12 @@ def _load_humaneval(split: str, data_dir: str | Path | None) -> list[dict]:
 
 
 # --- IFEval (Zhou et al. 2023): prompts with verifiable instructions; `answer` holds the instructions ---
-# test: the 541 prompts (google/IFEval on the hub, ../shared/data/ifeval/input_data.jsonl here). ids
-# "<key>". train: never those prompts. GSM8K and MATH train questions with 1-3 instructions
-# attached, kwargs sampled, deterministic in IFEVAL_TRAIN_SEED (the recipe of public RLVR
-# instruction-following sets such as Tulu 3's). answer = {"instruction_id_list": [...], "kwargs":
-# [...]}: what verifiers.ifeval_reward checks.
+# test: the 541 prompts (google/IFEval on the hub, ../shared/data/ifeval/input_data.jsonl here),
+#   ids "<key>".
+# train: never those prompts. GSM8K and MATH train questions with 1-3 instructions attached,
+#   kwargs sampled, deterministic in IFEVAL_TRAIN_SEED (the recipe of public RLVR
+#   instruction-following sets such as Tulu 3's).
+# answer = {"instruction_id_list": [...], "kwargs": [...]}: what verifiers.ifeval_reward checks.
 
 IFEVAL_TRAIN_SIZE = 8000
 IFEVAL_TRAIN_SEED = 0
@@ -625,8 +622,7 @@ _IFEVAL_LANGUAGES = {
 }
 _REL = ("less than", "at least")
 
-# id -> (sampler of kwargs from rng and the question, description): the descriptions are IFEval's
-# wording.
+# id -> (sampler of kwargs from rng and the question, description in IFEval's wording)
 _IFEVAL_INSTRUCTIONS = {
     "keywords:existence": (
         lambda rng, q: {"keywords": rng.sample(_IFEVAL_WORDS, 2)},
@@ -857,8 +853,7 @@ _IFEVAL_CONFLICTS = {
 
 
 def ifeval_compatible(a: str, b: str) -> bool:
-    """Whether one response can follow instructions a and b together (see the conflict tables
-    above)."""
+    """Whether one response can follow instructions a and b together (the tables above)."""
     if a == b or frozenset((a, b)) in _IFEVAL_CONFLICTS:
         return False
     return b in _IFEVAL_ONLY_WITH.get(a, {b}) and a in _IFEVAL_ONLY_WITH.get(b, {a})
@@ -870,11 +865,9 @@ def _ifeval_example(id: str, prompt: str, instruction_ids: list[str], kwargs: li
 
 
 def make_ifeval_train(questions: list[str], n: int, seed: int = IFEVAL_TRAIN_SEED) -> list[dict]:
-    """n prompts: a question (drawn without replacement) and 1-3 compatible instructions with
-    sampled kwargs.
-
-    Deterministic in (questions, n, seed): only random.Random(seed) is used. ids "<seed>/<i>".
-    """
+    """n prompts, each a question (drawn without replacement) and 1-3 compatible instructions
+    with sampled kwargs. Deterministic in (questions, n, seed): only random.Random(seed) is used.
+    ids "<seed>/<i>"."""
     rng = random.Random(seed)
     examples = []
     for i, question in enumerate(rng.sample(questions, n)):
@@ -897,42 +890,36 @@ def make_ifeval_train(questions: list[str], n: int, seed: int = IFEVAL_TRAIN_SEE
 
 
 def _load_ifeval(split: str, data_dir: str | Path | None) -> list[dict]:
-    """data_dir: ../shared/data/ifeval; the train split reads GSM8K and MATH from its siblings
-    ../gsm8k, ../math."""
+    """data_dir: ../shared/data/ifeval; the train split reads GSM8K and MATH from its siblings."""
     if split == "train":
-        gsm8k_dir, math_dir = (
-            (None, None)
-            if data_dir is None
-            else (Path(data_dir).parent / d for d in ("gsm8k", "math"))
-        )
+        gsm8k_dir = None
+        math_dir = None
+        if data_dir is not None:
+            gsm8k_dir = Path(data_dir).parent / "gsm8k"
+            math_dir = Path(data_dir).parent / "math"
         examples = _load_gsm8k_official("train", gsm8k_dir) + _load_math("train", math_dir)
         questions = [
             ex["prompt"] for ex in examples if len(ex["prompt"]) <= IFEVAL_MAX_QUESTION_CHARS
         ]
         return make_ifeval_train(questions, IFEVAL_TRAIN_SIZE)
-    rows = (
-        _read_hub("google/IFEval", None, "train")
-        if data_dir is None
-        else _read_jsonl(Path(data_dir) / "input_data.jsonl")
-    )
+    if data_dir is None:
+        rows = _read_hub("google/IFEval", None, "train")
+    else:
+        rows = _read_jsonl(Path(data_dir) / "input_data.jsonl")
     examples = []
     for where, row in rows:
-        ids, kwargs = (
-            _field(row, "instruction_id_list", where, list),
-            _field(row, "kwargs", where, list),
-        )
+        ids = _field(row, "instruction_id_list", where, list)
+        kwargs = _field(row, "kwargs", where, list)
         unknown = [i for i in ids if i not in _IFEVAL_INSTRUCTIONS]
         if unknown or len(ids) != len(kwargs):
             raise DataError(
                 f"{where}: unknown instruction ids {unknown} or {len(ids)} ids for {len(kwargs)} kwargs"
             )
-        # the hub fills unused keys: None
+        # the hub fills unused keys with None
         kwargs = [{k: v for k, v in kw.items() if v is not None} for kw in kwargs]
-        examples.append(
-            _ifeval_example(
-                str(_field(row, "key", where, int)), _field(row, "prompt", where), ids, kwargs
-            )
-        )
+        id = str(_field(row, "key", where, int))
+        prompt = _field(row, "prompt", where)
+        examples.append(_ifeval_example(id, prompt, ids, kwargs))
     return examples
 
 
@@ -950,34 +937,15 @@ R1_ZERO_PROMPT = (
     "Assistant: <think>"
 )
 
-# Appended to the question for "chat". It asks for the GSM8K "####" convention on every dataset, so
-# the question, chat and k-shot formats share one answer format (and the SFT targets below end the
-# same way).
+# Appended to the question for "chat". It asks for GSM8K's "####" on every dataset, so that the
+# question, chat and k-shot formats share one answer format (the SFT targets below end that way).
 CHAT_INSTRUCTION = (
     'Solve the problem step by step. Write the final answer on the last line as "#### <answer>".'
 )
 
-# The four templates. "gsm8k_kshot" reproduces lm-evaluation-harness's `gsm8k` task
-# (lm_eval/tasks/gsm8k/gsm8k.yaml, version 3.0): doc_to_text "Question: {{question}}\nAnswer:",
-# doc_to_target "{{answer}}" (the whole solution, calculator annotations included), target_delimiter
-# " ", fewshot_delimiter "\n\n", num_fewshot 5, fewshot_split train, until ["Question:", "</s>",
-# "<|im_end|>"] (version 1.0 had ["\n\n", "Question:"]). Its shots come from lm-eval's default
-# sampler, which draws them per question (random.Random(1234)): eval.py gives each test question
-# those shots (gsm8k_lm_eval_fewshot); gsm8k_fewshot gives the first k rows of the train file
-# (lm-eval's `first_n` sampler), the same shots for every question.  Code: "mbpp_kshot" reproduces
-# lm-eval's `mbpp` (lm_eval/tasks/mbpp/mbpp.yaml, version 1.0): doc_to_text below, the shot's target
-# "{{code}}\n[DONE]" with target_delimiter "", shots joined by "\n\n", num_fewshot 3 (tasks 2, 3, 4:
-# the `first_n` sampler), until ["[DONE]"], greedy. "humaneval" is lm-eval's `humaneval`: the prompt
-# as it is, until HUMANEVAL_STOP, the program is prompt + completion. (Later lm-eval versions add a
-# "```python" prefix to both; the verifier reads fenced code too.) For the other templates a code
-# question asks for a fenced block.  MATH: "hendrycks_math_kshot" reproduces lm-eval 0.4.13's
-# `hendrycks_math` (lm_eval/tasks/hendrycks_math/ hendrycks_math_algebra.yaml, version 1.0; the
-# 4-shot row of docs/eval.md runs it with --num_fewshot 4): doc_to_text "Problem:
-# {{problem}}\nAnswer:", doc_to_target "{{answer}}" (the boxed answer alone, no worked solution),
-# target_delimiter " ", fewshot_delimiter "\n\n", until ["Problem:"], greedy, max_gen_toks 256 (its
-# default). Its shots are drawn per problem by lm-eval's default sampler, replayed by
-# `math_fewshot`. Where a shot's answer would read as a Python list ("[-9, 9]", ten train rows)
-# lm-eval 0.4.13 stops with an AssertionError (older versions show "-9"); we show the text.
+# r1_zero, question and chat are the training templates; gsm8k_kshot, mbpp_kshot, humaneval and
+# hendrycks_math_kshot reproduce lm-evaluation-harness's tasks, prompt for prompt (docs/eval.md,
+# "The templates that copy lm-eval's tasks": which version and setting each one copies).
 TEMPLATES = (
     "r1_zero",
     "question",
@@ -987,6 +955,7 @@ TEMPLATES = (
     "humaneval",
     "hendrycks_math_kshot",
 )
+# r1_zero and chat ask a code question for a fenced block; the verifier reads the block
 CODE_INSTRUCTION = "Write the solution as one Python function in a ```python code block."
 MBPP_PROMPT = (
     "You are an expert Python programmer, and here is your task: {text} Your code should pass these tests:\n\n"
@@ -1004,12 +973,11 @@ def _lm_eval_math_answer(solution: str) -> str:
     empty \\boxed{} stays empty."""
     if "\\boxed " in solution:
         return solution.split("\\boxed ")[-1].split("$")[0]
-    return last_boxed(solution) or ""
+    return last_boxed_in_solution(solution) or ""
 
 
 def _reasoning(example: dict) -> str:
-    """The worked solution without the answer line and, for GSM8K, without the <<48/2=24>>
-    calculator notes."""
+    """The worked solution without its "####" line and GSM8K's <<48/2=24>> calculator notes."""
     if example["verifier"] != "gsm8k":
         return example["solution"].strip()
     text = re.sub(r"<<[^>]*>>", "", example["solution"])
@@ -1041,12 +1009,8 @@ def render_prompt(
             raise ValueError(
                 "template 'mbpp_kshot' needs fewshot=mbpp_fewshot() (0-shot: fewshot=[])"
             )
-        return "\n\n".join(
-            [
-                *(f"{_mbpp_text(shot)}{shot['solution']}\n[DONE]" for shot in fewshot),
-                _mbpp_text(example),
-            ]
-        )
+        shots = [f"{_mbpp_text(shot)}{shot['solution']}\n[DONE]" for shot in fewshot]
+        return "\n\n".join([*shots, _mbpp_text(example)])
     if template == "humaneval":
         return question
     if template == "hendrycks_math_kshot":
@@ -1054,14 +1018,12 @@ def render_prompt(
             raise ValueError(
                 "template 'hendrycks_math_kshot' is for MATH and needs fewshot=math_fewshot(k)[id]"
             )
-        # lm-eval 0.4.13 leaves out the delimiters after a shot whose answer is empty (two train
-        # rows).
         shots = []
         for shot in fewshot:
             answer = _lm_eval_math_answer(shot["solution"])
-            shots.append(
-                f"Problem: {shot['prompt']}\nAnswer:" + (f" {answer}\n\n" if answer else "")
-            )
+            # lm-eval 0.4.13 leaves out the delimiters after an empty answer (two train rows)
+            delimited = f" {answer}\n\n" if answer else ""
+            shots.append(f"Problem: {shot['prompt']}\nAnswer:" + delimited)
         return "".join([*shots, f"Problem: {question}\nAnswer:"])
     if code and template in ("r1_zero", "chat"):
         question = f"{question}\n{CODE_INSTRUCTION}"
@@ -1089,16 +1051,13 @@ def chat_message(example: dict) -> str:
     has its own instruction, and an IFEval prompt is the task."""
     if example["verifier"] == "code":
         return f"{example['prompt']}\n{CODE_INSTRUCTION}"
-    return (
-        example["prompt"]
-        if example["verifier"] == "ifeval"
-        else f"{example['prompt']}\n{CHAT_INSTRUCTION}"
-    )
+    if example["verifier"] == "ifeval":
+        return example["prompt"]
+    return f"{example['prompt']}\n{CHAT_INSTRUCTION}"
 
 
 def render_response(example: dict, template: str) -> str:
-    """The SFT target that follows render_prompt(example, template); the training script appends
-    EOS.
+    """The SFT target that follows render_prompt(example, template); the trainer appends EOS.
 
     r1_zero: " <reasoning> </think> <answer> ANSWER </answer>". The others: the solution ending
     "#### ANSWER", after a " " for gsm8k_kshot (lm-eval's target delimiter) and a "\\n" for question
@@ -1111,12 +1070,10 @@ def render_response(example: dict, template: str) -> str:
             "r1_zero": f" </think> <answer>\n{block}\n</answer>",
             "question": f"\n{block}",
             "chat": block,
-        }
-        return {
-            **targets,
             "mbpp_kshot": f"{example['solution']}\n[DONE]",
             "humaneval": example["solution"],
-        }[template]
+        }
+        return targets[template]
     if template == "r1_zero":
         return f" {_reasoning(example)} </think> <answer> {example['answer']} </answer>"
     prefix = {"question": "\n", "chat": "", "gsm8k_kshot": " "}
@@ -1296,18 +1253,18 @@ def mixture_questions_and_seeds(
     questions of each dataset at random, or, where `orders[d]` is given, the next ones of that order
     (wrapping around): the k-th question ever drawn from dataset d is orders[d][k], across steps.
     Derived from (seed, step) alone, so a resumed run continues exactly. One dataset without an
-    order draws exactly as grpo.py's step_questions_and_seeds (no dataset draw)."""
+    order makes no dataset draw: it draws exactly as the scripts did before mixtures
+    (tests/test_mixture.py keeps that draw)."""
     orders = orders or [None] * len(sizes)
     if len(sizes) == 1:
-        rng, datasets = np.random.default_rng([seed, step]), np.zeros(n_prompts, dtype=int)
+        rng = np.random.default_rng([seed, step])
+        datasets = np.zeros(n_prompts, dtype=int)
         drawn_before = np.array([step * n_prompts])
     else:
         rng, datasets = _step_datasets(weights, n_prompts, seed, step)
-        drawn_before = (
-            _drawn_before(weights, n_prompts, seed, step)
-            if any(o is not None for o in orders)
-            else None
-        )
+        drawn_before = None
+        if any(o is not None for o in orders):
+            drawn_before = _drawn_before(weights, n_prompts, seed, step)
     picks = [None] * n_prompts
     for d, (size, order) in enumerate(zip(sizes, orders, strict=True)):
         slots = np.flatnonzero(datasets == d)  # the questions of this step that come from dataset d
@@ -1394,12 +1351,13 @@ def load_task(args, tokenizer=None, n_questions: int = 0, train: bool = True) ->
     --data-dir. Every bad spec raises here, before a script starts its engine. n_questions:
     questions per step, checked against each dataset's train split."""
     mixture = parse_mixture(args.dataset)
-    names, weights = [name for name, _ in mixture], [weight for _, weight in mixture]
+    names = [name for name, _ in mixture]
+    weights = [weight for _, weight in mixture]
     templates = dataset_templates(names, args.template, args.dataset_templates)
     order_files = parse_per_dataset(getattr(args, "curriculum", []), names, "--curriculum")
-    examples, sizes, orders = (
-        load_mixture(names, "train", args.data_dir, order_files) if train else ([], [], [])
-    )
+    examples, sizes, orders = [], [], []
+    if train:
+        examples, sizes, orders = load_mixture(names, "train", args.data_dir, order_files)
     # a step draws n w / sum(w) on average
     for name, size, weight in zip(names, sizes, weights, strict=False):
         if n_questions * weight / sum(weights) > size:
@@ -1407,13 +1365,11 @@ def load_task(args, tokenizer=None, n_questions: int = 0, train: bool = True) ->
                 f"{n_questions} questions per step, {weight / sum(weights):.0%} from {name}, but its "
                 f"train split has {size}"
             )
-    split = {name: eval_split(name, args.eval_split) for name in names}
-    evals = {
-        name: [
-            {**ex, "dataset": name} for ex in load(name, split[name], args.data_dir)[: args.n_eval]
-        ]
-        for name in names
-    }
+    evals = {}
+    for name in names:
+        split = eval_split(name, args.eval_split)
+        eval_examples = load(name, split, args.data_dir)[: args.n_eval]
+        evals[name] = [{**ex, "dataset": name} for ex in eval_examples]
     return Task(names, weights, templates, examples, sizes, orders, evals, args.data_dir, tokenizer)
 
 
@@ -1421,27 +1377,22 @@ def eval_metrics(records: list[dict]) -> dict:
     """Greedy evaluation's means over records {"dataset", "reward": reward dict, "n_tokens",
     "truncated"}: over all of them, and eval/<dataset>/accuracy for each dataset (a mixture's totals
     weigh each dataset by its n_eval)."""
-    # None: strict JSON
+    # None for no rows, not NaN: metrics.jsonl is strict JSON
     mean = lambda key, rows: float(np.mean([r[key] for r in rows])) if rows else None
+    correct = [r for r in records if r["reward"]["reward"] == 1]
+    incorrect = [r for r in records if r["reward"]["reward"] != 1]
     metrics = {
-        f"eval/{d}/accuracy": float(
-            np.mean([r["reward"]["reward"] for r in records if r["dataset"] == d])
-        )
-        for d in dict.fromkeys(r["dataset"] for r in records)
-    }
-    return {
         "eval/accuracy": float(np.mean([r["reward"]["reward"] for r in records])),
         "eval/format_rate": float(np.mean([r["reward"]["format_reward"] for r in records])),
         "eval/response_length": mean("n_tokens", records),
-        "eval/response_length_correct": mean(
-            "n_tokens", [r for r in records if r["reward"]["reward"] == 1]
-        ),
-        "eval/response_length_incorrect": mean(
-            "n_tokens", [r for r in records if r["reward"]["reward"] != 1]
-        ),
+        "eval/response_length_correct": mean("n_tokens", correct),
+        "eval/response_length_incorrect": mean("n_tokens", incorrect),
         "eval/truncation_rate": mean("truncated", records),
-        **metrics,
     }
+    for d in dict.fromkeys(r["dataset"] for r in records):
+        rewards = [r["reward"]["reward"] for r in records if r["dataset"] == d]
+        metrics[f"eval/{d}/accuracy"] = float(np.mean(rewards))
+    return metrics
 
 
 # --- SFT pairs: (prompt, response) from a JSONL file or from the datasets' worked solutions ---
@@ -1483,58 +1434,53 @@ def sft_pairs(
     solutions in its template. keep(pair) -> bool filters them first (e.g. the verifier accepts the
     response); then mix_pairs."""
     if sft_file:
-        rows = read_sft_file(
-            sft_file, ("prompt", "response") + (("answer", "verifier") if keep else ())
-        )
-        pair_sets, weights = (
-            [[{"prompt": r["prompt"], "response": r["response"], "example": r} for r in rows]],
-            [1.0],
-        )
+        # keep() scores the response again: it needs the gold and the verifier
+        fields = ("prompt", "response", "answer", "verifier") if keep else ("prompt", "response")
+        rows = read_sft_file(sft_file, fields)
+        pairs = [{"prompt": r["prompt"], "response": r["response"], "example": r} for r in rows]
+        pair_sets = [pairs]
+        weights = [1.0]
     else:
         if "ifeval" in task.names:
             raise ValueError(
                 "ifeval has no worked solutions to fine-tune on: leave it out, or give --sft-file"
             )
-        examples = [
-            [{**ex, "dataset": name} for ex in load(name, "train", task.data_dir)]
-            for name in task.names
-        ]
-        pair_sets = [
-            [
-                {"prompt": task.prompt(ex), "response": task.response(ex), "example": ex}
-                for ex in exs
-            ]
-            for exs in examples
-        ]
+        pair_sets = []
+        for name in task.names:
+            examples = [{**ex, "dataset": name} for ex in load(name, "train", task.data_dir)]
+            pairs = []
+            for ex in examples:
+                pair = {"prompt": task.prompt(ex), "response": task.response(ex), "example": ex}
+                pairs.append(pair)
+            pair_sets.append(pairs)
         weights = task.weights
-    pair_sets = [[p for p in pairs if keep(p)] for pairs in pair_sets] if keep else pair_sets
+    if keep:
+        pair_sets = [[p for p in pairs if keep(p)] for pairs in pair_sets]
     return mix_pairs(pair_sets, weights, n_examples, seed)
 
 
 def mix_pairs(
     pair_sets: list[list[dict]], weights: list[float], n_examples: int | None, seed: int
 ) -> list[dict]:
-    """One dataset: its first n_examples pairs (all if None). A mixture: dataset d gives floor(n w_d
-    / sum(w)) pairs, a random subset drawn from (seed, d), where n is n_examples, or else the
-    largest n for which no dataset runs out (each pair then used at most once an epoch); shuffled
-    together, each batch holds the weights' shares on average."""
+    """One dataset: its first n_examples pairs (all if None). A mixture: dataset d gives
+    floor(n w_d / sum(w)) pairs, a random subset drawn from (seed, d), where n is n_examples, or
+    else the largest n for which no dataset runs out (each pair then used at most once an epoch).
+    The datasets' pairs are concatenated, one dataset after another: batch_order shuffles them, so
+    each batch holds the weights' shares on average."""
     if len(pair_sets) == 1:
         return pair_sets[0][:n_examples]
     shares = [weight / sum(weights) for weight in weights]
-    n = n_examples or int(
-        min(len(pairs) / share for pairs, share in zip(pair_sets, shares, strict=True) if share)
-    )
+    pairs_and_shares = list(zip(pair_sets, shares, strict=True))
+    n = n_examples or int(min(len(pairs) / share for pairs, share in pairs_and_shares if share))
     mixed = []
-    for d, (pairs, share) in enumerate(zip(pair_sets, shares, strict=True)):
+    for d, (pairs, share) in enumerate(pairs_and_shares):
         if int(n * share) > len(pairs):
             raise ValueError(
                 f"{n} examples: dataset {d + 1} of the mixture has {len(pairs)}, its weight asks for "
                 f"{int(n * share)}; lower --n-examples"
             )
-        mixed += [
-            pairs[i]
-            for i in np.random.default_rng([seed, d]).permutation(len(pairs))[: int(n * share)]
-        ]
+        permutation = np.random.default_rng([seed, d]).permutation(len(pairs))
+        mixed += [pairs[i] for i in permutation[: int(n * share)]]
     return mixed
 
 

@@ -1,64 +1,41 @@
-"""Evaluate a model or checkpoint on GSM8K, MATH, MATH-500, MBPP, HumanEval, IFEval or the synthetic
-task, with vLLM; or on the whole baseline suite at once (--suite).
+"""Evaluate a model or checkpoint on GSM8K, MATH, MATH-500, MBPP, HumanEval, IFEval or the
+synthetic task, with vLLM or an OpenAI-compatible server; or on the whole baseline suite (--suite).
 
 For every problem: render the prompt with one of data.py's templates, sample `n` responses (greedy
 by default), score each with verifiers.score, and write one JSONL line. Then `summarize` turns those
 lines into the metrics:
-  accuracy       mean reward over all samples (= pass@1, averaged over problems) pass@k
-  unbiased estimator of Chen et al. 2021 ("Evaluating LLMs trained on code", the Codex paper) maj@k
-  majority vote over the extracted answers of the first k samples (ties: see `majority_vote`)
-  format_rate    share of samples whose strict answer could be extracted; and the breakdown of all
-  samples
-                 into correct / formatted but wrong / unformatted (the three counts sum to problems
-                 x n)
-  truncated_rate share of samples cut off by --max-tokens (a high value means the budget is too
-  small) by_level, by_subject   accuracy per MATH level and subject (MATH and MATH-500) strict /
-  flexible      GSM8K only: lm-evaluation-harness's "strict-match" and "flexible-extract" accuracies
-For code (MBPP, HumanEval) a sample is correct iff its program passes every test in the sandbox
-(verifiers.py), "formatted" iff it compiles, and maj@k votes on identical programs.
-  prompt_level_*, inst_level_*, by_type   IFEval only (lm-eval's four numbers, then each instruction
-  type's
-                 strict and loose accuracy); pass@k and maj@k are left out, as there is no answer to
-                 vote on
+  accuracy          mean reward over all samples (= pass@1, averaged over problems)
+  pass@k            the unbiased estimator of Chen et al. 2021 (the Codex paper)
+  maj@k             majority vote over the extracted answers of the first k samples
+  format_rate       share of samples whose strict answer could be extracted; and the counts of
+                    correct / formatted but wrong / unformatted samples (they sum to problems x n)
+  truncation_rate   share of samples cut off by --max-tokens (if high, the budget is too small)
+  response_length   mean tokens per sample
+  by_level, by_subject   MATH and MATH-500: accuracy per level and subject
+  strict / flexible      GSM8K: lm-evaluation-harness's "strict-match" and "flexible-extract"
+  prompt_level_*, inst_level_*, by_type   IFEval: lm-eval's four numbers and each instruction
+                    type's strict and loose accuracy (no pass@k or maj@k: no answer to vote on)
+For code (MBPP, HumanEval) a sample is correct iff its program passes every test in the sandbox,
+"formatted" iff it compiles, and maj@k votes on identical programs.
 
-Matching lm-evaluation-harness's `gsm8k` task (vLLM, greedy): use --template gsm8k_kshot --n-shot K
---max-tokens 256 (lm-eval's default max_gen_toks). The prompt ("Question: ...\\nAnswer:", shots
-joined by blank lines, stop at "Question:") is lm-eval's; strict = its "strict-match", flexible =
-its "flexible-extract". On the test split each question gets the shots lm-eval draws for it
-(data.lm_eval_fewshot); on the others, the first K train rows. One known difference: our strict
-reader takes the last "####" (lm-eval the first; equal when generation stops at "Question:"), and
-normalises numbers its own way. Expect numbers within a point, not identical. lm-eval's `mbpp`
-(3-shot) is --template mbpp_kshot --max-tokens 256; its `humaneval` (0-shot) is --template humaneval
---max-tokens 1024 (greedy: lm-eval's humaneval-greedy; its default samples). Its `hendrycks_math`
-(4-shot) is --dataset math --template hendrycks_math_kshot --n-shot 4 --max-tokens 256: lm-eval's
-prompt and shots exactly, its answer span (between the first and last "$"), and our MATH verifier's
-comparison (`hendrycks_math_score`).
-
---suite runs all of these (SUITE: GSM8K 0/4/8-shot, MATH 4-shot, IFEval, MBPP 3-shot, HumanEval)
-with one engine, writes each benchmark's samples.jsonl and summary.json in its own folder, and
-prints our numbers next to Qwen3-1.7B-Base's lm-eval numbers. docs/eval.md, "Reference numbers",
-says how each row differs from lm-eval's.
+The k-shot templates reproduce lm-eval's tasks (gsm8k, mbpp, humaneval, hendrycks_math), and --suite
+runs them all with one engine beside Qwen3-1.7B-Base's lm-eval numbers: docs/eval.md has the
+settings that match lm-eval and how each row still differs.
 
 Deliberately left out:
-  1. Symbolic equivalence for MATH (sympy / math_verify): see verifiers.py for why; the reward is
-  exact match.
-  2. Data parallelism: one engine; use --tensor-parallel-size for models that do not fit one GPU.
+  1. Symbolic equivalence for MATH (sympy / math_verify): the reward is exact match after
+     normalisation (docs/tasks.md says why).
+  2. Data parallelism: one engine; --tensor-parallel-size for models that do not fit one GPU.
 
 Usage:
-    python tiny_model.py --out runs/tiny-qwen3   # a tiny random model, for trying this on a CPU
-    python eval.py --model runs/tiny-qwen3 --dataset synthetic --split test --limit 32 --n 4 --k 1 2 4 \\
-        --temperature 1.0 --max-tokens 64
-    python eval.py --model Qwen/Qwen3-1.7B-Base --dataset gsm8k --split test --template gsm8k_kshot --n-shot 8 \\
-        --max-tokens 256
-    python eval.py --model Qwen/Qwen3-1.7B-Base --dataset mbpp --data-dir ../shared/data --template mbpp_kshot \\
-        --max-tokens 256
-    python eval.py --model Qwen/Qwen3-1.7B-Base --dataset humaneval --data-dir ../shared/data \\
-        --template humaneval --max-tokens 1024
-    python eval.py --model Qwen/Qwen3-1.7B-Base --dataset ifeval --data-dir ../shared/data --template question \\
-        --max-tokens 1280   # lm-eval's ifeval: 0-shot, greedy; prompt/instruction-level strict and loose
-    python eval.py --model runs/sft__1__1763700000/checkpoints/step_000200 --dataset gsm8k --template r1_zero \\
-        --n 8 --k 1 4 8 --temperature 1.0   # a checkpoint of sft.py: pass@k and maj@k from 8 samples
-    python eval.py --suite --model Qwen/Qwen3-1.7B-Base --data-dir ../shared/data   # the baseline suite, one table
+    python tiny_model.py --out runs/tiny-qwen3   # a tiny random model, to try this on a CPU
+    python eval.py --model runs/tiny-qwen3 --dataset synthetic --split test --limit 32 \\
+        --n 4 --k 1 2 4 --temperature 1.0 --max-tokens 64
+    python eval.py --model Qwen/Qwen3-1.7B-Base --dataset gsm8k --split test \\
+        --template gsm8k_kshot --n-shot 8 --max-tokens 256   # lm-eval's gsm8k, 8-shot
+    python eval.py --model runs/sft__1__1763700000/checkpoints/step_000200 --dataset gsm8k \\
+        --template r1_zero --n 8 --k 1 4 8 --temperature 1.0   # pass@k and maj@k from 8 samples
+    python eval.py --suite --model Qwen/Qwen3-1.7B-Base --data-dir ../shared/data
 """
 
 import asyncio
@@ -134,7 +111,7 @@ class Args:
     """fraction of each GPU's memory the engine may take (weights + KV cache)"""
     tensor_parallel_size: int = 1
     """GPUs to shard the model over"""
-    # --- or an OpenAI-compatible server (a hosted teacher, or `vllm serve` elsewhere) instead of a local engine ---
+    # --- or a server instead of a local engine (a hosted teacher, or `vllm serve` elsewhere) ---
     api_base: str | None = None
     """generate through the server at this URL (e.g. https://api.deepseek.com/v1,
     http://127.0.0.1:8000/v1)"""
@@ -247,22 +224,22 @@ def summarize(records: list[dict], ks: tuple[int, ...] = (1,)) -> dict:
         "eval/n_correct": sum(correct),
         "eval/n_formatted_wrong": sum(f and not c for c, f in zip(correct, formatted, strict=True)),
         "eval/n_unformatted": sum(not f and not c for c, f in zip(correct, formatted, strict=True)),
-        "eval/truncated_rate": float(
-            np.mean([f == "length" for rec in records for f in rec["finish_reasons"]])
-        ),
-        "eval/mean_response_tokens": float(
-            np.mean([t for rec in records for t in rec["n_tokens"]])
-        ),
     }
+    # the names of the training scripts' evaluation (data.eval_metrics), for the same quantities
+    truncated = [f == "length" for record in records for f in record["finish_reasons"]]
+    metrics["eval/truncation_rate"] = float(np.mean(truncated))
+    n_tokens = [n for record in records for n in record["n_tokens"]]
+    metrics["eval/response_length"] = float(np.mean(n_tokens))
     # IFEval: lm-eval's four numbers, then each instruction type's
     if all("strict" in r for r in rewards):
         metrics.update(ifeval_metrics(records))
         return metrics
     for k in ks:
-        pass_k, maj_k = [], []
+        pass_k = []
+        maj_k = []
         for record in records:
-            n, c = len(record["rewards"]), sum(r["reward"] == 1.0 for r in record["rewards"])
-            pass_k.append(pass_at_k(n, c, k))
+            n_correct = sum(r["reward"] == 1.0 for r in record["rewards"])
+            pass_k.append(pass_at_k(len(record["rewards"]), n_correct, k))
             first_k = record["rewards"][:k]
             winner = majority_vote([r["extracted"] for r in first_k])
             # Samples with equal `extracted` have equal rewards: the first with the winning answer
@@ -292,11 +269,13 @@ def ifeval_metrics(records: list[dict]) -> dict:
     """lm-eval's ifeval metrics over all samples: prompt level (all instructions followed) and
     instruction level (each instruction counted once), strict and loose; then instruction-level
     accuracy per instruction type."""
-    metrics, by_type = {}, defaultdict(list)
+    metrics = {}
     for mode in ("strict", "loose"):
         verdicts = [r[mode] for record in records for r in record["rewards"]]
         metrics[f"eval/prompt_level_{mode}_acc"] = float(np.mean([all(v) for v in verdicts]))
         metrics[f"eval/inst_level_{mode}_acc"] = float(np.mean([x for v in verdicts for x in v]))
+    # instruction id -> a (strict, loose) pair per sample
+    by_type = defaultdict(list)
     for record in records:
         for r in record["rewards"]:
             ids = record["answer"]["instruction_id_list"]
@@ -313,14 +292,16 @@ def ifeval_metrics(records: list[dict]) -> dict:
 
 def format_table(metrics: dict) -> str:
     """One metric per line: counts as integers, rates as percentages."""
-    lines, width = [], max(map(len, metrics)) + 1
+    lines = []
+    width = max(map(len, metrics)) + 1
     for key, value in metrics.items():
-        is_rate = (
-            isinstance(value, float) and not key.endswith("tokens") and not key.startswith("time/")
-        )
-        lines.append(
-            f"{key:<{width}} {100 * value:8.2f}%" if is_rate else f"{key:<{width}} {value:9.6g}"
-        )
+        # every float is a rate but the times and the mean length in tokens
+        is_rate = isinstance(value, float) and not key.startswith("time/")
+        is_rate = is_rate and not key.endswith("response_length")
+        if is_rate:
+            lines.append(f"{key:<{width}} {100 * value:8.2f}%")
+        else:
+            lines.append(f"{key:<{width}} {value:9.6g}")
     return "\n".join(lines)
 
 
@@ -387,16 +368,17 @@ def validate(args: Args) -> None:
 def start_engine(args: Args):
     """A vLLM engine in this process: bf16 on GPU; float32 without CUDA graphs on CPU (starts in
     seconds)."""
-    import torch
+    from vllm import LLM
+    from vllm.platforms import current_platform
 
-    on_gpu = torch.cuda.is_available()
+    # vLLM asks NVML, not CUDA: torch.cuda.is_available() would initialize CUDA here, and the
+    # workers --tensor-parallel-size then forks from this process could not use it.
+    on_gpu = current_platform.is_cuda_alike()
     # Read at engine start. In-process engine: deterministic, no worker processes to spawn.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # otherwise the CPU engine claims half the machine's memory for its KV cache (GiB)
     if not on_gpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
     return LLM(
         model=args.model,
         dtype="bfloat16" if on_gpu else "float32",
@@ -475,23 +457,21 @@ def score_records(
     """One record per problem from its n samples, (text, n_tokens, finish_reason) each, scored all
     in one batch (programs run in a pool, one per core)."""
     texts = [[text for text, _, _ in group] for group in samples]
-    flat_texts, flat_examples = (
-        [t for group in texts for t in group],
-        [ex for ex in examples for _ in range(args.n)],
-    )
+    # all samples in one list, each beside its problem
+    sample_texts = [t for group in texts for t in group]
+    sample_examples = [ex for ex in examples for _ in range(args.n)]
     if args.template == "hendrycks_math_kshot":
-        flat = [
-            hendrycks_math_score(t, ex) for t, ex in zip(flat_texts, flat_examples, strict=True)
-        ]
+        pairs = zip(sample_texts, sample_examples, strict=True)
+        rewards = [hendrycks_math_score(t, ex) for t, ex in pairs]
     else:
-        flat = verifiers.score_batch(flat_texts, flat_examples)
+        rewards = verifiers.score_batch(sample_texts, sample_examples)
     records = []
     for i, (example, prompt, group) in enumerate(zip(examples, prompts, samples, strict=True)):
         record = {"id": example["id"], "prompt": prompt, "answer": example["answer"]}
         # MATH only
         record.update({key: example[key] for key in ("level", "subject") if key in example})
         record["responses"] = texts[i]
-        record["rewards"] = flat[i * args.n : (i + 1) * args.n]
+        record["rewards"] = rewards[i * args.n : (i + 1) * args.n]
         record["n_tokens"] = [n_tokens for _, n_tokens, _ in group]
         record["finish_reasons"] = [finish for _, _, finish in group]  # "stop" or "length"
         records.append(record)
@@ -552,29 +532,23 @@ def parse_answer(answer: dict, template: str) -> tuple[str, int, str]:
     reasoning server's thinking ("reasoning_content" in DeepSeek's API, "reasoning" in vLLM's) in
     the template's think section, and r1_zero's "</answer>", after which the server stopped and
     which it leaves out, put back. KeyError, IndexError or TypeError: a malformed answer."""
-    choice, finish = answer["choices"][0], answer["choices"][0]["finish_reason"]
+    choice = answer["choices"][0]
+    finish = choice["finish_reason"]
     if "message" in choice:
-        text, thinking = (
-            choice["message"]["content"] or "",
-            choice["message"].get("reasoning_content"),
-        )
+        text = choice["message"]["content"] or ""
+        thinking = choice["message"].get("reasoning_content")
         thinking = thinking or choice["message"].get("reasoning")
-        if thinking:
-            text = (
-                f" {thinking} </think> {text}"
-                if template == "r1_zero"
-                else f"<think>\n{thinking}\n</think>\n\n{text}"
-            )
+        if thinking and template == "r1_zero":
+            text = f" {thinking} </think> {text}"
+        elif thinking:
+            text = f"<think>\n{thinking}\n</think>\n\n{text}"
     else:
         text = choice["text"]
-    if (
-        template == "r1_zero"
-        and finish == "stop"
-        and "<answer>" in text
-        and "</answer>" not in text
-    ):
+    answer_left_open = "<answer>" in text and "</answer>" not in text
+    if template == "r1_zero" and finish == "stop" and answer_left_open:
         text += "</answer>"
-    return text, (answer.get("usage") or {}).get("completion_tokens", 0), finish
+    n_tokens = (answer.get("usage") or {}).get("completion_tokens", 0)
+    return text, n_tokens, finish
 
 
 async def ask(client: httpx.AsyncClient, path: str, body: dict, args: Args) -> tuple[tuple, dict]:
@@ -587,10 +561,8 @@ async def ask(client: httpx.AsyncClient, path: str, body: dict, args: Args) -> t
         try:
             response = await client.post(path, json=body)
             if response.status_code == 429 or response.status_code >= 500:
-                error, retry_after = (
-                    f"HTTP {response.status_code}",
-                    response.headers.get("retry-after", ""),
-                )
+                error = f"HTTP {response.status_code}"
+                retry_after = response.headers.get("retry-after", "")
                 wait = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else wait
             elif response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
@@ -614,10 +586,9 @@ async def ask_all(
     to samples_file as it finishes, or appended as failed (with its last error) once a sample's
     retries ran out."""
     semaphore = asyncio.Semaphore(args.concurrency)
-    headers, timeout = auth(key), httpx.Timeout(args.request_timeout)
-    async with httpx.AsyncClient(
-        base_url=args.api_base.rstrip("/"), headers=headers, timeout=timeout
-    ) as client:
+    base_url = args.api_base.rstrip("/")
+    timeout = httpx.Timeout(args.request_timeout)
+    async with httpx.AsyncClient(base_url=base_url, headers=auth(key), timeout=timeout) as client:
 
         async def sample(path: str, body: dict):
             async with semaphore:
@@ -726,7 +697,8 @@ def write_results(run_dir: Path, args: Args, records: list[dict], metrics: dict)
 def write_sft_pairs(path: str, records: list[dict], examples: list[dict]) -> int:
     """Every sample the verifier accepts, a data.sft_row each (what sft.py --sft-file reads);
     returns their count."""
-    by_id, rows = {example["id"]: example for example in examples}, []
+    by_id = {example["id"]: example for example in examples}
+    rows = []
     for record in records:
         for response, reward in zip(record["responses"], record["rewards"], strict=True):
             if reward["reward"] == 1:
@@ -750,15 +722,15 @@ def main(args: Args) -> Path:
     if args.suite:
         return run_suite(args)
     args = replace(args, max_tokens=args.max_tokens or 1024)
-    # 1. Check the arguments and load the data, so a mistake fails in seconds and not after the
-    # engine started.
+    # 1. Check the arguments and load the data: a mistake fails in seconds, before the engine.
     validate(args)
     examples, shots = load_examples(args)
 
     # 2. Generate n responses per problem (a local engine, or a server) and score them.
-    template = (
-        f"{args.template}{len(shots[0])}" if shots and shots[0] is not None else args.template
-    )
+    # the folder's name gives the shot count: gsm8k_kshot8
+    template = args.template
+    if shots and shots[0] is not None:
+        template = f"{args.template}{len(shots[0])}"
     name = f"{model_name(args)}__{args.dataset}_{args.split}__{template}__{int(time.time())}"
     run_dir = Path(args.resume) if args.resume else Path(args.out_dir) / name
     if args.api_base:
@@ -838,10 +810,8 @@ def run_suite(args: Args) -> Path:
 
 if __name__ == "__main__":
     results = main(tyro.cli(Args))
-    summary = (
-        json.loads((results / "summary.json").read_text())
-        if (results / "summary.json").exists()
-        else {}
-    )
+    summary = {}
+    if (results / "summary.json").exists():
+        summary = json.loads((results / "summary.json").read_text())
     # 3: some problems failed (--api-base)
     sys.exit(3 if summary.get("metrics", {}).get("eval/n_failed") else 0)

@@ -1,77 +1,27 @@
-r"""Verifiers: turn a model's response into a reward, for GSM8K, MATH, the synthetic task and code
-(MBPP, HumanEval).
+r"""Verifiers: turn a model's response into a reward, for GSM8K, MATH, the synthetic task, code
+(MBPP, HumanEval) and IFEval.
 
     score(response, example) -> {"reward", "format_reward", "answer_reward", "extracted", ...}
 
-`response` is the generated text only (not the prompt); `example["verifier"]` picks the task and
-`example["answer"]` is the gold. The math checkers are pure and fast (tens of microseconds), so the
-trainer can call them inline; code runs in a sandbox (its section below; score_batch runs many
-programs at once). The returned keys:
+`response` is the generated text only (not the prompt); `example["verifier"]` picks the checker and
+`example["answer"]` is the gold. The keys:
 
-    extracted      the STRICT answer, normalized ("18", "-7/2", "\frac{\sqrt{3}}{3}") or None. Equal
-    strings
-                   mean equal answers, so eval can majority-vote on it.
-    format_reward  1.0 iff extracted is not None: a strict marker was found AND its content is one
-    answer
-                   (GSM8K, synthetic: one number; MATH: anything non-empty, as its answers can be
-                   any LaTeX).
-    answer_reward  1.0 iff extracted equals the gold. reward         = answer_reward. No format
-    bonus: a bonus is reward a policy can collect without solving
-                   anything. Add one in your fork if your model never finds the format.
-    gsm8k only:    flexible_reward, flexible_extracted (lm-eval's "flexible-extract": the last
-    number anywhere). code:          extracted is the program if it compiles (format_reward 1),
-    reward 1 iff all its tests passed;
-                   plus status ("passed" | "failed" | "syntax_error" | "timeout") and output (its
-                   last characters).
+    reward         = answer_reward: no format bonus, which a policy could collect without solving
+    answer_reward  1.0 iff the answer is right (code: every test passed; IFEval: every instruction
+                   followed, or with partial credit the share followed)
+    format_reward  1.0 iff an answer was extracted (code: the program compiles; IFEval: the
+                   response is not empty)
+    extracted      the strict answer, normalized ("18", "-7/2"), or None: equal strings are equal
+                   answers, so eval can majority-vote on them
+    and            gsm8k: flexible_reward, flexible_extracted (lm-eval's "flexible-extract");
+                   code: status, output; ifeval: strict, loose (a verdict per instruction)
 
-Where the strict answer is, in this order (the first kind found is the only one looked at):
-  1. the LAST complete <answer>...</answer> pair. The closing tag is required, so a response cut off
-  mid-answer
-     scores 0. If generation stops at "</answer>", keep it (vLLM: include_stop_str_in_output=True).
-  2. MATH only: the LAST \boxed{...} or \fbox{...} (braces may nest; an empty one is skipped).
-  Before "####"
-     because chat models write markdown headings ("#### Step 2") and MATH solutions box their
-     answer.
-  3. the rest of the line after the LAST "####" (GSM8K's own format; data.py's chat and k-shot
-  templates use it
-     for every dataset). A \boxed{} inside an answer tag or after "####" is unwrapped.
-
-Several answers in one response: the LAST marker of the chosen kind is scored and nothing else. Spam
-buys nothing: "<answer>1</answer> ... <answer>100</answer>" (or "#### 1 ... #### 100") earns exactly
-what "<answer>100</answer>" alone earns, so listing candidates gives no extra chances. And the
-marker must hold ONE answer entirely: "18 or 19", "17, 18, 19" or "18 dollars" parse to nothing and
-score 0, so a policy cannot hedge inside one marker either. Last rather than first because the final
-answer comes after reasoning and self-correction, as in CS336's grader and the MATH solutions
-themselves (their gold is the last \boxed). lm-eval's strict-match takes the FIRST "####" and only
-the number right after it; the two agree when generation stops at "Question:" as in lm-eval
-(data.stop_strings).
-
-GSM8K and synthetic compare numbers exactly, as fractions.Fraction: 1.50 == 1.5, -0 == 0, but
-0.30000001 != 0.3.
-  GSM8K accepts "1,234.5" (thousands commas), "$18" and "\$18", "18%" and "18\%" (the sign is
-  dropped, not divided by 100: GSM8K golds for "what percent" questions are the bare number),
-  "\boxed{18}", "$-3$", a trailing "." and the unicode minus "−". It rejects words, lists, "1,23"
-  (bad grouping) and "1e3". Synthetic accepts only an integer ("-7", "42"), which is what its prompt
-  asks for.
-MATH normalizes both sides the Hendrycks/CS336 way (\dfrac -> \frac, \left( -> (, spaces, \!, units
-in
-  \text{ cm} / \mbox, ^\circ, \%, \$, "x = 5" -> "5", \frac12 -> \frac{1}{2}, .5 -> 0.5) and then
-  compares: equal strings; numbers exactly (\frac{1}{2} == 1/2 == 0.5, 137\frac{1}{2} == 275/2,
-  10,080 == 10080); tuples and intervals element by element with the same brackets ((3,4] != (3,4));
-  matrices cell by cell; sets \{..\} and bare lists "1,-2" in any order.
-
-Deliberately not handled:
-  - symbolic equivalence: \frac{1}{\sqrt{3}} vs \frac{\sqrt{3}}{3}, \sqrt{117} vs 3\sqrt{13},
-  (x+1)^2 vs
-    x^2+2x+1 all score 0. math_verify 0.9 (sympy) accepts them, but we measured it and kept it out
-    of the reward. On MATH-500 both accept all 500 golds against themselves and about the same share
-    of 1,949 mechanical rewrites (\dfrac, a/b, decimals, "x = ", units, \left: 1944 here, 1941
-    math_verify), but math_verify takes ~8 ms per call (up to 150 ms) against ~0.1 ms here, accepts
-    wrong answers through float tolerance (0.30000001 == 0.3, 0.333333 == 1/3), and its timeout is
-    signal.alarm: whole seconds, main thread only (ValueError elsewhere). With the timeout off,
-    "\boxed{9^{9^{9^{9}}}}" ran for over 20 s and "2^{2^{40}}" took 1 GB. If you need it, run it
-    offline in eval, in a subprocess with a timeout.
-  - plain-word units ("10 inches"), "\boxed 5" without braces, answers longer than MAX_ANSWER_CHARS.
+The strict answer is in the LAST <answer>...</answer>, else (MATH only) the last \boxed{}, else on
+the rest of the line after the last "####"; only that marker counts, and it must hold one answer
+entirely, so listing or hedging candidates earns nothing. The math checkers are pure and fast
+(~0.1 ms), so trainers call them inline; code runs in a sandbox, and score_batch runs many programs
+at once. What each checker accepts and rejects, and why math_verify is left out: docs/tasks.md,
+"What the verifiers accept".
 """
 
 import contextlib
@@ -93,7 +43,7 @@ from fractions import Fraction
 # a longer span is not one answer; the bound also caps the cost of parsing it
 MAX_ANSWER_CHARS = 500
 
-# --- Finding the answer: plain str.rfind / str.find, linear in the response, no regex over the whole text ---
+# --- Finding the answer: str.rfind and str.find, linear in the response, no regex over it ---
 
 
 def extract_answer_tag(response: str) -> str | None:
@@ -112,9 +62,10 @@ def extract_hash_answer(response: str) -> str | None:
     return response[start + 4 : end if end >= 0 else len(response)]
 
 
-def last_boxed(text: str) -> str | None:
+def last_boxed_in_response(text: str) -> str | None:
     r"""Content of the last \boxed{...} or \fbox{...}, braces matched; None if absent or
-    unbalanced."""
+    unbalanced. Stricter than data.last_boxed_in_solution, which reads the golds: the brace must
+    follow at once, and every brace counts, escaped or not."""
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
     if start < 0:
         return None
@@ -135,32 +86,29 @@ def extract_strict(response: str, boxed: bool = False) -> str | None:
     span = extract_answer_tag(response)
     if span is None and boxed:
         # an empty \boxed{} is no answer: fall through to "####"
-        span = last_boxed(response) or None
+        span = last_boxed_in_response(response) or None
     if span is None:
         span = extract_hash_answer(response)
     if span is not None and ("\\boxed{" in span or "\\fbox{" in span):
-        span = last_boxed(span)
+        span = last_boxed_in_response(span)
     return span if span is not None and len(span) <= MAX_ANSWER_CHARS else None
 
 
 # --- Numbers (GSM8K, synthetic) ---
 
-# Either thousands grouped by commas or plain digits, then an optional fraction: "1,234.5", "1234",
-# ".5".
+# Thousands grouped by commas or plain digits, then an optional fraction: "1,234.5", "1234", ".5".
 _DECIMAL = re.compile(r"[-+]?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+|(?=\.[0-9]))(?:\.[0-9]+)?")
 
 
 def parse_number(text: str) -> Fraction | None:
-    r"""A number a grader would read in `text` ("$1,234.50", "\boxed{18}", "−3", "18%"), exactly, or
-    None."""
+    r"""The exact number a grader reads in `text` ("$1,234.50", "\boxed{18}", "−3", "18%"), or None."""
     s = text.strip().replace("\u2212", "-").replace("{,}", ",")
     if s.startswith("\\boxed{") and s.endswith("}"):
         s = s[len("\\boxed{") : -1].strip()
     for decoration in ("\\$", "$", "\\%", "%", "\\!"):
         s = s.replace(decoration, "")
     s = s.strip().removesuffix(".")
-    # fullmatch on [0-9] only: Python's \d and Fraction() also take Arabic-Indic digits, "1_000" and
-    # "1e999999".
+    # [0-9] only: Python's \d and Fraction() also take Arabic-Indic digits, "1_000" and "1e999999"
     if len(s) > MAX_ANSWER_CHARS or not _DECIMAL.fullmatch(s):
         return None
     return Fraction(s.replace(",", ""))
@@ -196,9 +144,9 @@ def _result(extracted: str | None, correct: bool) -> dict:
 
 # lm-evaluation-harness, lm_eval/tasks/gsm8k/gsm8k.yaml (version 3.0), filter "flexible-extract":
 # regex_pattern "(-?[$0-9.,]{2,})|(-?[0-9]+)" with group_select -1 (the last match), then
-# exact_match after removing "," "$" and one trailing ".". (Its "strict-match" is "####
-# (\-?[0-9\.\,]+)", the first match.) No nested quantifiers, so a megabyte of digits is one linear
-# pass.
+# exact_match after removing "," "$" and one trailing ".". (Its "strict-match" is
+# "#### (\-?[0-9\.\,]+)", the first match.) No nested quantifiers: a megabyte of digits is one
+# linear pass.
 _FLEXIBLE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
 
 
@@ -222,12 +170,11 @@ def gsm8k_reward(response: str, gold: str) -> dict:
     result = _result(number_to_str(value) if value is not None else None, value == gold_value)
     flexible = extract_flexible(response)
     flexible_value = parse_number(flexible) if flexible is not None else None
-    result["flexible_extracted"] = (
-        number_to_str(flexible_value) if flexible_value is not None else None
-    )
-    result["flexible_reward"] = (
-        1.0 if flexible_value is not None and flexible_value == gold_value else 0.0
-    )
+    result["flexible_extracted"] = None
+    result["flexible_reward"] = 0.0
+    if flexible_value is not None:
+        result["flexible_extracted"] = number_to_str(flexible_value)
+        result["flexible_reward"] = 1.0 if flexible_value == gold_value else 0.0
     return result
 
 
@@ -243,11 +190,10 @@ def synthetic_reward(response: str, gold: str) -> dict:
 
 # --- MATH: normalize both sides, then compare structurally ---
 
-# A unit is \text{...} at the end with no digits in it: "5\text{ cm}^2" -> "5", but "18\text{ or
-# 19}" stays.
+# A unit is a final \text{...} with no digits: "5\text{ cm}^2" -> "5", but "18\text{ or 19}" stays.
 _UNIT = re.compile(r"\\(?:text|textbf|mbox|mathrm)\{[^{}0-9]*\}(?:\^\{?[23]\}?)?$")
 _TEXT = re.compile(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}")
-# mixed: 137\frac{1}{2}
+# a fraction, or a mixed number: 137\frac{1}{2}
 _FRACTION = re.compile(r"(-?)(?:([0-9]+)\\frac|\\frac)\{(-?[0-9]+)\}\{(-?[0-9]+)\}")
 _SLASH = re.compile(r"-?[0-9]+/[0-9]+")
 _MATRIX = re.compile(r"\\begin\{[pbv]?matrix\}(.*)\\end\{[pbv]?matrix\}")
@@ -284,8 +230,7 @@ def normalize_math_answer(answer: str) -> str:
     s = re.sub(r"\s+", "", s)
     # "x=5" -> "5", "x\in[-2,7]" -> "[-2,7]"; an equation like "5x-7y+4=0" keeps its left side.
     s = re.sub(r"^[a-zA-Z](?:=(?!.*=)|\\in)", "", s)
-    # LaTeX shorthands: \frac12 -> \frac{1}{2}, \frac{270}7 -> \frac{270}{7}, \sqrt2 -> \sqrt{2},
-    # x^{2} -> x^2.
+    # LaTeX shorthands, spelled out: \frac12 -> \frac{1}{2}, \sqrt2 -> \sqrt{2}, x^{2} -> x^2
     s = re.sub(r"\\frac([0-9a-zA-Z])([0-9a-zA-Z])", r"\\frac{\1}{\2}", s)
     s = re.sub(r"\\frac([0-9a-zA-Z])\{", r"\\frac{\1}{", s)
     s = re.sub(r"\\frac\{([^{}]*)\}([0-9a-zA-Z])", r"\\frac{\1}{\2}", s)
@@ -333,8 +278,7 @@ def _same_unordered(a: list[str], b: list[str]) -> bool:
 
 
 def math_equal_normalized(a: str, b: str) -> bool:
-    """Whether two normalized MATH answers are the same answer (see the module docstring for what
-    counts)."""
+    """Whether two normalized MATH answers are the same answer (docs/tasks.md: what counts)."""
     if not a or not b:
         return False
     if a == b:
@@ -382,10 +326,10 @@ def math_reward(response: str, gold: str) -> dict:
 
 
 # --- Code (MBPP, HumanEval): the program and its tests run in another process, under limits ---
-#  Unlike the checkers above this runs untrusted code: never in our process, never without limits
-# (docs/tasks.md, "The sandbox", says what it guards against and what not). A program scores 1 only
-# if the harness prints a random token, fresh per call and never in the program's sight, after the
-# last test ran, AND the process exits 0: sys.exit(0), os._exit(0), raise SystemExit or printing a
+# Unlike the checkers above this runs untrusted code: never in our process, never without limits
+# (docs/tasks.md, "The sandbox": what it guards against and what not). A program scores 1 only if
+# the harness prints a random token, fresh per call and never in the program's sight, after the
+# last test ran, AND the process exits 0: sys.exit(0), os._exit(0), raise SystemExit or a printed
 # success line before the tests end all score 0.
 
 CODE_TIMEOUT_S = 5.0  # wall clock per program, then its whole process group is killed
@@ -397,8 +341,7 @@ CODE_N_PROCESSES = 16
 CODE_OUTPUT_CHARS = 2000  # tail of its output kept in the result, for reading tracebacks
 # "nobody": started by root, programs run as this user, so our files and processes are not theirs
 SANDBOX_USER = 65534
-# A system interpreter (standard library only, readable by nobody); our venv's packages stay out of
-# reach.
+# a system interpreter (standard library only, readable by nobody): our venv stays out of reach
 SANDBOX_PYTHON = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or sys.executable
 # bubblewrap: namespaces with no network, a read-only root, a private /tmp
 BWRAP = shutil.which("bwrap")
@@ -446,24 +389,12 @@ def bwrap_usable(bwrap: str | None) -> bool:
     if bwrap is None:
         return False
     user = SANDBOX_USER if os.getuid() == 0 else None
-    probe = [
-        bwrap,
-        "--unshare-all",
-        "--ro-bind",
-        "/",
-        "/",
-        "--proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        "true",
-    ]
-    return (
-        subprocess.run(
-            probe, capture_output=True, user=user, group=user, extra_groups=[] if user else None
-        ).returncode
-        == 0
+    probe = [bwrap, "--unshare-all", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
+    extra_groups = [] if user else None
+    run = subprocess.run(
+        [*probe, "true"], capture_output=True, user=user, group=user, extra_groups=extra_groups
     )
+    return run.returncode == 0
 
 
 def fenced_code(text: str) -> str | None:
@@ -476,7 +407,8 @@ def fenced_code(text: str) -> str | None:
     if start < 0:
         return None
     tag_end = text.find("\n", start)
-    before, after = text[:start], text[tag_end + 1 :] if tag_end >= 0 else ""
+    before = text[:start]
+    after = text[tag_end + 1 :] if tag_end >= 0 else ""
     # a lone closing fence ends the code
     return after if after.strip() or not before.strip() else before
 
@@ -504,7 +436,8 @@ def run_program(source: str, timeout_s: float = CODE_TIMEOUT_S, bwrap: bool | No
     "syntax_error" | "timeout". bwrap=None uses bubblewrap where it is installed and works.
     """
     use_bwrap = bwrap_usable(BWRAP) if bwrap is None else bwrap
-    token, start = secrets.token_hex(16), time.perf_counter()
+    token = secrets.token_hex(16)
+    start = time.perf_counter()
     as_root = os.getuid() == 0
     work = tempfile.mkdtemp(prefix="code_")
     try:
@@ -574,15 +507,13 @@ def run_program(source: str, timeout_s: float = CODE_TIMEOUT_S, bwrap: bool | No
     finally:
         shutil.rmtree(work, ignore_errors=True)
     passed = returncode == 0 and tail.endswith(f"\n{token}\n".encode())
-    status = (
-        "passed"
-        if passed
-        else "timeout"
-        if returncode is None
-        else "syntax_error"
-        if returncode == 3
-        else "failed"
-    )
+    status = "failed"
+    if passed:
+        status = "passed"
+    elif returncode is None:
+        status = "timeout"
+    elif returncode == 3:
+        status = "syntax_error"
     text = tail.decode("utf-8", errors="replace").replace(token, "")[-CODE_OUTPUT_CHARS:]
     return {
         "passed": passed,
@@ -613,17 +544,8 @@ def _code_result(program: str, run: dict) -> dict:
 # One small function per instruction type, (response, kwargs) -> bool, each a transcription of
 # check_following in lm-evaluation-harness 0.4.13, lm_eval/tasks/ifeval/instructions.py (itself
 # Google's original). Regexes are kept as the reference writes them, unescaped keywords included,
-# because parity is the point (tests/test_ifeval.py). Four places differ, all because the reference
-# cannot run offline or deterministically: number_sentences         the reference counts with nltk's
-# punkt model (downloaded at run time). Ours: ifeval_sentences, a regex that ends a sentence at . !
-# or ? before a space. It counts "Dr. Smith" or "e.g. this" as two sentences where punkt knows the
-# abbreviation. capital_word_frequency   the reference tokenizes with nltk.word_tokenize (punkt,
-# then Treebank rules). Ours: ifeval_capital_words, words split as Treebank splits them, without
-# punkt or nltk. language, english_*      langdetect, as the reference, but seeded
-# (DetectorFactory.seed = 0): unseeded, "NO WAY" came back Polish or Slovenian at random.
-# langdetect==1.0.9 is needed for these three. letter_frequency         a "letter" outside a-z
-# (IFEval prompt 1122 asks for 4 "#"): the reference checks a letter drawn by random.choice instead;
-# we count the character asked for.
+# because parity is the point (tests/test_ifeval.py). Four checks differ, where the reference cannot
+# run offline or deterministically: docs/tasks.md, "IFEval", lists them.
 
 IFEVAL_RESPONSE_OPTIONS = ("My answer is yes.", "My answer is no.", "My answer is maybe.")
 
@@ -650,8 +572,7 @@ def ifeval_sentences(text: str) -> int:
     return sum(bool(piece.strip()) for piece in re.split(r"(?<=[.!?])[\"'”’)\]]*\s+", text))
 
 
-# Treebank splits these endings off a word: "DON'T" -> DO + N'T, "I'M" -> I + 'M, "CANNOT" -> CAN +
-# NOT.
+# Treebank splits these endings off a word: "DON'T" -> DO + N'T, "CANNOT" -> CAN + NOT
 _TREEBANK_SPLIT = re.compile(
     r"(?i)(.+?)('s|'m|'d|'ll|'re|'ve|n't)|(can)(not)|(gim|lem)(me)|(gon|wan)(na)|(got)(ta)"
 )
@@ -676,11 +597,9 @@ def _n_paragraphs_ok(response: str, kw: dict) -> bool:
     # paragraphs are separated by the markdown divider ***
     paragraphs = re.split(r"\s?\*\*\*\s?", response)
     inner_empty = any(not p.strip() for p in paragraphs[1:-1])
-    n = (
-        len(paragraphs)
-        - (not paragraphs[0].strip())
-        - (len(paragraphs) > 1 and not paragraphs[-1].strip())
-    )
+    # an empty first or last piece is no paragraph
+    n = len(paragraphs) - (not paragraphs[0].strip())
+    n -= len(paragraphs) > 1 and not paragraphs[-1].strip()
     return not inner_empty and n == kw["num_paragraphs"]
 
 
@@ -817,7 +736,7 @@ def ifeval_reward(response: str, gold: dict) -> dict:
     `strict` and `loose` hold the per-instruction verdicts. An empty response follows nothing, as in
     the reference.
     """
-    # unique ones
+    # each distinct variant once: they are checked for every instruction
     loose_texts = [text for text in dict.fromkeys(ifeval_loose_variants(response)) if text.strip()]
     strict, loose = [], []
     for instruction_id, kwargs in zip(gold["instruction_id_list"], gold["kwargs"], strict=True):
@@ -848,16 +767,14 @@ VERIFIERS = {
 
 
 def score(response: str, example: dict) -> dict:
-    """Reward dict for one response (see the module docstring); example needs "verifier" and
-    "answer" ("tests")."""
+    """The reward dict of one response (the module docstring); example needs "verifier" and
+    "answer" (code: "tests")."""
     verifier = VERIFIERS.get(example["verifier"], False)
     if verifier is False:
         raise ValueError(f"unknown verifier {example['verifier']!r}; valid: {sorted(VERIFIERS)}")
-    return (
-        score_batch([response], [example])[0]
-        if verifier is None
-        else verifier(response, example["answer"])
-    )
+    if verifier is None:
+        return score_batch([response], [example])[0]
+    return verifier(response, example["answer"])
 
 
 def score_batch(

@@ -126,8 +126,8 @@ def test_parse_gsm8k_answer(solution, gold):
         ("no box here", None),
     ],
 )
-def test_last_boxed(text, content):
-    assert data.last_boxed(text) == content
+def test_last_boxed_in_solution(text, content):
+    assert data.last_boxed_in_solution(text) == content
 
 
 def test_math_gold_level_subject():

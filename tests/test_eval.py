@@ -116,8 +116,8 @@ def test_summarize_by_hand():
     assert metrics["eval/pass@2"] == pytest.approx((5 / 6 + 1 / 2) / 2)
     assert metrics["eval/pass@4"] == 1.0
     assert (metrics["eval/maj@1"], metrics["eval/maj@2"], metrics["eval/maj@4"]) == (0.0, 0.5, 1.0)
-    assert metrics["eval/truncated_rate"] == 1 / 8
-    assert metrics["eval/mean_response_tokens"] == (7 * 10 + 50) / 8
+    assert metrics["eval/truncation_rate"] == 1 / 8
+    assert metrics["eval/response_length"] == (7 * 10 + 50) / 8
     assert metrics["eval/by_level/1"] == 0.5 and metrics["eval/by_level/2"] == 0.25
     assert metrics["eval/by_subject/algebra"] == 3 / 8
     assert "eval/flexible_accuracy" not in metrics  # only GSM8K reward dicts carry flexible_reward

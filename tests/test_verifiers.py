@@ -373,7 +373,8 @@ def test_every_gsm8k_test_solution_scores_one():
 def test_every_math500_solution_scores_one():
     rows = read_jsonl(DATA / "math" / "math500.jsonl")
     against_boxed = sum(
-        math(row["solution"], verifiers.last_boxed(row["solution"]))["reward"] for row in rows
+        math(row["solution"], verifiers.last_boxed_in_response(row["solution"]))["reward"]
+        for row in rows
     )
     # The dataset's own `answer` field equals the last \boxed{} of the solution on all 500 rows: no
     # misses.
