@@ -1,26 +1,27 @@
-"""On-policy distillation (Agarwal et al. 2024, arXiv:2306.13649; Qwen3's small models), grpo.py
-with another advantage: the student lowers its reverse KL(p || q) to a teacher q on its own samples,
-with no verifier needed. Each step:
-  1. sample `rollout_batch_size / group_size` questions and let the engine write `group_size`
-  responses to each;
-  2. the teacher grades every sampled token o_t: log q(o_t | prompt, o_<t), one forward pass per
-  response;
-  3. per-token advantage A_t = -(log p(o_t) - log q(o_t)), detached: minus the sampled reverse-KL
-  estimate (what the
-     teacher likes more than the student is pushed up); --reward-weight w adds w x grpo.py's
-     advantage;
-  4. minimise -A_t log p(o_t), one mean over the batch's tokens: as E_p[grad log p] = 0, its
-  gradient is the reverse
-     KL's, E_p[(log p - log q) grad log p]; one optimizer step per rollout batch (no ratio, no
-     clipping);
-  5. copy the new weights into the engine and *prove* it now samples from them (reload_and_check).
-Simplifications: generation and training take turns (more GPUs: docs/distributed.md); the KL is
-estimated on the sampled token, not over the vocabulary, at each position alone (no credit to later
-tokens); one tokenizer for both.
+"""On-policy distillation (Agarwal et al. 2024, arXiv:2306.13649; Qwen3's small models): grpo.py
+with another advantage. The student samples, a teacher grades every sampled token, and the student
+lowers its reverse KL(p || q) to the teacher on its own samples: no verifier is needed. Each step:
+  1. Generate: the engine writes `group_size` responses to each of the step's questions.
+  2. Score and advantages: the verifier's rewards are logged; with --reward-weight w, w x their
+     group-normalised advantage (grpo.py's) joins the teacher's.
+  3. Update: the teacher grades each sampled token, log q(o_t | prompt, o_<t); the advantage
+     A_t = -(log p(o_t) - log q(o_t)), detached, is minus the sampled reverse KL. One optimizer
+     step minimises the mean over the tokens of -A_t log p(o_t): as E_p[grad log p] = 0, its
+     gradient is the reverse KL's, E_p[(log p - log q) grad log p].
+  4. Reload: copy the new weights into the engine and prove that it samples from them.
+  5. Log, evaluate, save.
+
+Deliberate simplifications:
+  1. Generation and training take turns; more GPUs: data parallel (docs/distributed.md).
+  2. The KL is estimated on the sampled token, not over the vocabulary, at each position alone
+     (no credit to later tokens).
+  3. One optimizer step per rollout batch: on-policy, no ratio, no clipping.
+  4. One tokenizer for both models.
 
 Usage:
-    python distill.py --model runs/sft__1__<time>/checkpoints/step_000217 --teacher Qwen/Qwen3-8B   # 2 GPUs
-    python distill.py --model ... --teacher ... --reward-weight 1.0      # the teacher's grades plus the verifier's
+    python distill.py --model runs/sft__1__<time>/checkpoints/step_000217 --teacher Qwen/Qwen3-8B
+    python distill.py --model Qwen/Qwen3-1.7B-Base --teacher Qwen/Qwen3-8B --reward-weight 1.0
+    python ladder.py --distill          # no GPU: the CPU ladder, with a distillation stage
 """
 
 import contextlib
@@ -33,14 +34,13 @@ import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
-from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import tyro
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_constant_schedule_with_warmup
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from vllm import LLM, SamplingParams
 
 import data
@@ -89,7 +89,8 @@ class Args:
     lr: float = 1e-5  # peak learning rate of AdamW (reached after the warmup)
     # AdamW weight decay (torch's default, 0.01, would pull even a perfect student away)
     weight_decay: float = 0.0
-    warmup_steps: int = 0  # steps over which the learning rate rises linearly from 0, then stays
+    # optimizer steps (one a step) over which the learning rate rises linearly from 0, then stays
+    warmup_steps: int = 0
     microbatch_size: int = 2  # examples per forward/backward pass (gradients accumulate)
     max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this
     # w: add w x the verifier's group-normalised reward to every token's advantage
@@ -108,46 +109,53 @@ class Args:
     rank_timeout_s: float = 1800
 
 
-# --- ALGORITHM, CS336 vocabulary: tokenizing and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- ALGORITHM, CS336 vocabulary: tokens and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def tokenize_prompt_and_output(
     prompt_strs: list[str], output_strs: list[str], tokenizer
 ) -> dict[str, torch.Tensor]:
-    """Tokenize prompts and outputs separately, then collate_token_ids: input_ids, labels,
-    response_mask (B, T)."""
+    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
+    response_mask, each (B, T)."""
     prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
     output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
-    pad_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
-    return collate_token_ids(prompt_ids, output_ids, pad_id if pad_id is not None else 0)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id or 0
+    return collate_token_ids(prompt_ids, output_ids, pad_id)
 
 
 def collate_token_ids(
     prompt_ids: list[list[int]], output_ids: list[list[int]], pad_id: int
-) -> dict:
-    """Concatenate, pad and shift: input_ids, labels, response_mask (1 where the label is an output
-    token), each (B, max_len - 1). From lengths, not pad ids: pad == EOS in Qwen3 base models, and
-    the EOS must be learned."""
+) -> dict[str, torch.Tensor]:
+    """Concatenate, pad and shift by one: input_ids, labels, and response_mask (1 where the
+    label is an output token), each (B, T) with T = the longest prompt + output - 1.
+
+    The mask comes from the lengths, not from pad ids: in Qwen3 base models pad == EOS, and
+    the EOS that ends a response must be learned."""
+    n = len(prompt_ids)
     max_len = max(len(p) + len(o) for p, o in zip(prompt_ids, output_ids, strict=True))
-    full = torch.full((len(prompt_ids), max_len), pad_id, dtype=torch.long)  # (B, L)
-    is_output = torch.zeros((len(prompt_ids), max_len), dtype=torch.bool)  # (B, L)
+    full = torch.full((n, max_len), pad_id, dtype=torch.long)  # (B, L)
+    is_output = torch.zeros((n, max_len), dtype=torch.bool)  # (B, L)
     for i, (p, o) in enumerate(zip(prompt_ids, output_ids, strict=True)):
         full[i, : len(p) + len(o)] = torch.tensor([*p, *o], dtype=torch.long)
         is_output[i, len(p) : len(p) + len(o)] = True
-    return {"input_ids": full[:, :-1], "labels": full[:, 1:], "response_mask": is_output[:, 1:]}
+    return {
+        "input_ids": full[:, :-1],
+        "labels": full[:, 1:],
+        "response_mask": is_output[:, 1:],
+    }
 
 
 def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of each next-token distribution, (B, T, V) logits -> (B, T): logsumexp(z) - sum
-    softmax(z) z, which never takes the log of an underflowed probability. In chunks: at once, two
-    more (B, T, V) float32 tensors."""
+    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
+
+    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
+    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
     flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
-    chunks = [
-        torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
-        for z in flat.split(chunk_size)
-    ]
+    chunks = []
+    for z in flat.split(chunk_size):
+        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
     return torch.cat(chunks).reshape(logits.shape[:-1])
 
 
@@ -158,40 +166,95 @@ def get_response_log_probs(
     return_token_entropy: bool = False,
     temperature: float = 1.0,
 ) -> dict[str, torch.Tensor]:
-    """log p(labels[t] | input_ids[:t+1]): (B, T) -> {"log_probs": (B, T)}, and "token_entropy" (B,
-    T). The logits are divided by `temperature` as the engine's are when it samples (grpo.py needs
-    it; SFT uses 1)."""
-    logits = model(input_ids).logits.float()  # (B, T, V); float32 even under bf16 autocast
-    # at T = 1, no second (B, T, V) copy
-    logits = logits / temperature if temperature != 1.0 else logits
-    # (B, T)
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    """log p(labels[t] | input_ids[:t+1]) for (B, T) ids: {"log_probs": (B, T)}, and with
+    return_token_entropy {"token_entropy": (B, T)}. The logits are divided by `temperature`,
+    as the engine's are when it samples (grpo.py samples at T != 1; SFT uses 1)."""
+    # float32 even under bf16 autocast
+    logits = model(input_ids).logits.float()  # (B, T, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)  # (B, T, V)
+    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (B, T)
     if not return_token_entropy:
         return {"log_probs": log_probs}
     with torch.no_grad():
-        return {"log_probs": log_probs, "token_entropy": compute_entropy(logits)}
+        entropy = compute_entropy(logits)
+    return {"log_probs": log_probs, "token_entropy": entropy}
 
 
 def masked_normalize(
-    tensor: torch.Tensor, mask: torch.Tensor, normalize_constant: float, dim: int | None = None
+    tensor: torch.Tensor,
+    mask: torch.Tensor,
+    normalize_constant: float,
+    dim: int | None = None,
 ) -> torch.Tensor:
-    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), divided by
-    normalize_constant."""
+    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
     return (tensor * mask).sum(dim=dim) / normalize_constant
 
 
-# --- ALGORITHM: the advantage and loss (pure: tests/test_distill.py checks them by hand), the update, the teacher ---
+def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
+    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
 
 
-def group_normalized_rewards(
-    raw_rewards: torch.Tensor, group_size: int, eps: float = 1e-6
+# --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+
+
+def get_lr(update: int, lr: float, warmup: int, n_updates: int, schedule: str) -> float:
+    """The learning rate of optimizer step `update` (counted from 0) of `n_updates`: linear
+    warmup from 0 over `warmup` steps, then constant, or cosine down to 0 at n_updates."""
+    if update < warmup:
+        return lr * (update / max(1, warmup))
+    if schedule == "constant":
+        return lr
+    progress = (update - warmup) / max(1, n_updates - warmup)
+    return lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def optimizer_step(
+    policy, optimizer, lr: float, max_grad_norm: float, n_bad_in_a_row: int = 0
+) -> tuple[float, int]:
+    """Clip the gradient's global L2 norm, step AdamW at `lr` and zero the gradient. Returns
+    the norm before clipping and the count of non-finite updates in a row: a non-finite
+    norm (an inf or NaN in the loss) skips the step, so that one bad batch cannot write NaN
+    into every weight, and three in a row stop the run."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
+    if math.isfinite(grad_norm):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        n_bad_in_a_row = 0
+    else:
+        n_bad_in_a_row += 1
+        if n_bad_in_a_row >= 3:
+            raise RuntimeError(
+                f"{n_bad_in_a_row} non-finite updates in a row: check the rewards and the lr"
+            )
+        warnings.warn(f"gradient norm {grad_norm} is not finite: update skipped", stacklevel=2)
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, n_bad_in_a_row
+
+
+# --- ALGORITHM: group-normalised advantages (same in grpo.py and distill.py) ---
+
+
+def group_normalize(
+    raw_rewards: torch.Tensor, group_size: int, eps: float, normalize_by_std: bool
 ) -> torch.Tensor:
-    """(r - mean(group)) / (std(group) + eps) of each response's reward, groups of group_size in a
-    row: (B,) -> (B,)."""
+    """Each reward minus its group's mean, divided by the group's std + eps if normalize_by_std
+    (torch's unbiased std, as CS336, TRL and verl): (B,) -> (B,), rewards i G ... i G + G - 1
+    forming group i. A group of equal rewards gets 0: it adds no gradient. With G = 4:
+        rewards          [1,    0,     0,     0,        1, 1, 1, 1]
+        - group mean     [0.75, -0.25, -0.25, -0.25,    0, 0, 0, 0]
+        / group std 0.5  [1.5,  -0.5,  -0.5,  -0.5,     0, 0, 0, 0]"""
     grouped = raw_rewards.view(-1, group_size)  # (n_groups, G)
-    return (
-        (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + eps)
-    ).reshape(-1)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_by_std:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    return advantages.reshape(-1)
+
+
+# --- ALGORITHM: the distillation advantage and loss (pure: tests/test_distill.py checks them) ---
 
 
 def compute_distill_advantages(
@@ -199,10 +262,14 @@ def compute_distill_advantages(
     teacher_log_probs: torch.Tensor,
     reward_advantages: torch.Tensor | None = None,
     reward_weight: float = 0.0,
-):
+) -> torch.Tensor:
     """A_t = -(log p(o_t) - log q(o_t)) + reward_weight A_reward, detached: the sampled tokens'
-    log-probs (B, T) under student p and teacher q, reward_advantages (B,) -> (B, T). The first
-    term: minus the sampled reverse KL."""
+    log-probs (B, T) under the student p and the teacher q, reward_advantages (B,) or (B, 1) ->
+    (B, T). The first term is minus the sampled reverse KL. Two tokens the student gives 0.5 and
+    0.25, the teacher 0.25 and 0.5; with reward_weight 0.5 and a reward advantage of 2:
+        log p - log q            [ln 2, -ln 2]
+        A, reward_weight 0       [-0.693, 0.693]: the over-sure token is pushed down
+        A, reward_weight 0.5     [0.307, 1.693]"""
     reward_term = reward_weight * reward_advantages.reshape(-1, 1) if reward_weight else 0.0
     return -(policy_log_probs - teacher_log_probs).detach() + reward_term
 
@@ -214,10 +281,10 @@ def distill_microbatch_train_step(
     n_batch_tokens: int,
     reward_advantages: torch.Tensor | None = None,
     reward_weight: float = 0.0,
-) -> tuple:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This microbatch's share of the batch loss sum_t -A_t log p(o_t) / n_batch_tokens (one mean
-    over the batch's response tokens, however split); calls backward(). (B, T) in; the loss and log
-    p - log q (B, T) out."""
+    over the batch's response tokens, however it is split); calls backward(). (B, T) in; the loss
+    (detached) and log p - log q (B, T) out."""
     advantages = compute_distill_advantages(
         policy_log_probs, teacher_log_probs, reward_advantages, reward_weight
     )
@@ -226,13 +293,25 @@ def distill_microbatch_train_step(
     return loss.detach(), (policy_log_probs - teacher_log_probs).detach()
 
 
+# --- ALGORITHM: microbatches, and frozen models' log-probs (same in grpo.py and distill.py) ---
+
+
 def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, device: str):
-    """Yields (rows, their tensors on `device`) in microbatches of `size`, by length: each cut to
-    its longest row."""
+    """Yields (rows, their tensors on `device`) in microbatches of `size` rows of like lengths,
+    each cut to its longest row."""
     rows = sorted(rows, key=lambda i: lengths[i])
-    for chunk in (rows[i : i + size] for i in range(0, len(rows), size)):
+    for start in range(0, len(rows), size):
+        chunk = rows[start : start + size]
         width = max(lengths[i] for i in chunk)
-        yield chunk, {k: v[torch.tensor(chunk), :width].to(device) for k, v in tensors.items()}
+        index = torch.tensor(chunk)
+        yield chunk, {k: v[index, :width].to(device) for k, v in tensors.items()}
+
+
+def load_frozen_model(name: str, device: str):
+    """A model that is only read (a reference, a teacher): no gradients, bf16 on a GPU."""
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    return model.to(device).requires_grad_(False)
 
 
 def frozen_log_probs(
@@ -243,361 +322,447 @@ def frozen_log_probs(
     microbatch_size: int,
     temperature: float,
 ) -> torch.Tensor:
-    """log p of each label in these rows of a padded batch (n, T) under a frozen model; the other
-    rows' stay 0."""
+    """log p of each label of these rows of a padded batch (n, T) under a frozen model; the
+    other rows stay 0."""
     device = next(model.parameters()).device
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16)
-        if device.type == "cuda"
-        else contextlib.nullcontext()
-    )
+    autocast = contextlib.nullcontext()
+    if device.type == "cuda":
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     log_probs = torch.zeros(batch["labels"].shape, device=device)  # (n, T)
     for chunk, micro in microbatches(batch, rows, lengths, microbatch_size, str(device)):
         with torch.no_grad(), autocast:
             out = get_response_log_probs(
-                model, micro["input_ids"], micro["labels"], False, temperature
+                model, micro["input_ids"], micro["labels"], temperature=temperature
             )
-        log_probs[chunk, : micro["labels"].shape[1]] = out["log_probs"].float()
+        width = micro["labels"].shape[1]
+        log_probs[chunk, :width] = out["log_probs"].float()
     return log_probs
 
 
-def update_student(
+# --- ALGORITHM: the distillation update ---
+
+
+def distill_update(
     policy,
     teacher,
     optimizer,
-    scheduler,
     batch: dict,
     lengths: list[int],
+    lr: float,
     args: Args,
-    step: int,
     autocast,
-) -> dict:
+    n_bad_in_a_row: int,
+) -> tuple[dict, int]:
     """One optimizer step on a rollout batch (input_ids, labels, response_mask (n, T);
-    reward_advantages (n,)): each rank its rows, the gradients summed over ranks; a non-finite
-    update is skipped. Returns the update's metrics."""
-    # (n,); the rest of the batch is (n, T)
-    reward_advantages = batch.pop("reward_advantages").to(policy.device)
-    # this rank's rows, by length
-    mine = sorted(range(len(lengths)), key=lambda i: lengths[i])[RANK::WORLD_SIZE]
-    # The teacher's grade log q of this rank's sampled tokens, once, before the update.  (n, T); 0
-    # in the other rows
-    batch["graded"] = frozen_log_probs(
-        teacher, batch, lengths, mine, args.microbatch_size, args.temperature
+    reward_advantages (n, 1)) at `lr`, the gradient accumulated over microbatches. Under
+    torchrun each rank takes its rows, and the gradients are summed. Returns the train/ metrics
+    (and rollout/reverse_kl) and the count of non-finite updates in a row."""
+    device = str(policy.device)
+    # this rank's rows, sorted by length: balanced microbatches
+    local_rows = rows_to_train(sorted(range(len(lengths)), key=lambda i: lengths[i]))
+
+    # Before the optimizer step: the teacher's grade of each sampled token, log q, (n, T), 0 in
+    # the other ranks' rows.
+    teacher_log_probs = frozen_log_probs(
+        teacher, batch, lengths, local_rows, args.microbatch_size, args.temperature
     )
-    # all ranks' tokens
-    n_tokens, sums = int(batch["response_mask"].sum()), torch.zeros(3, device=policy.device)
-    for rows, micro in microbatches(batch, mine, lengths, args.microbatch_size, str(policy.device)):
+
+    # every rank's response tokens: the mean's divisor
+    n_tokens = int(batch["response_mask"].sum())
+    # the loss, the reverse KL and the entropy, summed on the device: no sync per microbatch
+    sums = torch.zeros(3, device=policy.device)
+    for micro_rows, micro in microbatches(batch, local_rows, lengths, args.microbatch_size, device):
         with autocast:
             out = get_response_log_probs(
                 policy, micro["input_ids"], micro["labels"], True, args.temperature
             )
-        mask = micro["response_mask"]  # on the device: no host sync per microbatch
+        log_probs = out["log_probs"]  # (b, T)
+        mask = micro["response_mask"]  # (b, T)
+        width = mask.shape[1]
         loss, reverse_kl = distill_microbatch_train_step(
-            out["log_probs"],
-            micro["graded"],
+            log_probs,
+            teacher_log_probs[micro_rows, :width],
             mask,
             n_tokens,
-            reward_advantages[rows],
+            micro["reward_advantages"],
             args.reward_weight,
         )
-        # over tokens
-        sums += torch.stack([loss, (reverse_kl * mask).sum(), (out["token_entropy"] * mask).sum()])
+        entropy = out["token_entropy"]
+        sums += torch.stack([loss, (reverse_kl * mask).sum(), (entropy * mask).sum()])
     sum_over_ranks(policy, sums)
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-    # the update's one sync
-    loss, reverse_kl, entropy, grad_norm = torch.cat([sums, grad_norm.reshape(1)]).tolist()
-    if updated := math.isfinite(loss) and math.isfinite(grad_norm):
-        optimizer.step()
-    else:
-        warnings.warn(
-            f"step {step + 1}: loss {loss} or gradient norm {grad_norm} is not finite; skipped",
-            stacklevel=2,
-        )
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {
+    grad_norm, n_bad_in_a_row = optimizer_step(
+        policy, optimizer, lr, args.max_grad_norm, n_bad_in_a_row
+    )
+
+    loss, reverse_kl, entropy = sums.tolist()
+    metrics = {
+        "train/n_updates": int(math.isfinite(grad_norm)),
         "train/loss": loss,
         "train/grad_norm": grad_norm,
         "train/entropy": entropy / n_tokens,
         "rollout/reverse_kl": reverse_kl / n_tokens,
-        "train/updated": updated,
     }
-
-
-def check_student_and_teacher(args: Args) -> None:
-    """Refuse inconsistent arguments, a missing teacher, or one whose vocabulary is not the
-    student's, before anything loads: a grade of token id k means something only if both models mean
-    the same token by k."""
-    if args.rollout_batch_size % args.group_size or (args.reward_weight and args.group_size < 2):
-        raise ValueError(
-            "rollout_batch_size must be a multiple of group_size, and --reward-weight needs groups of 2+"
-        )
-    looks_local = args.teacher.startswith((".", "/", "~")) or args.teacher.count("/") > 1
-    if looks_local and not (Path(args.teacher).expanduser() / "config.json").is_file():
-        raise ValueError(f"--teacher {args.teacher}: no model folder there (no config.json)")
-    student, teacher = (
-        AutoTokenizer.from_pretrained(args.model),
-        AutoTokenizer.from_pretrained(args.teacher),
-    )
-    if student.get_vocab() != teacher.get_vocab():
-        raise ValueError(
-            f"--teacher {args.teacher} has another vocabulary ({len(teacher)} tokens) than {args.model} "
-            f"({len(student)}): a grade per token needs the same tokens"
-        )
-
-
-def held_out_reverse_kl(
-    llm: LLM, policy, teacher, task: data.Task, args: Args, vllm_device: str
-) -> dict:
-    """Reverse KL(student || teacher) per token on the eval prompts, a response each sampled as in
-    training (unbiased; greedy is not) with the same seed each time: a change is the student's.
-    Whole on every rank: the same number."""
-    examples = [ex for name in task.names for ex in task.evals[name]]
-    params = [
-        SamplingParams(
-            temperature=args.temperature,
-            max_tokens=args.eval_max_tokens,
-            stop=task.stop(ex),
-            include_stop_str_in_output=True,
-            seed=args.seed,
-        )
-        for ex in examples
-    ]
-    with engine_device(vllm_device):
-        outputs = llm.generate([task.prompt(ex) for ex in examples], params, use_tqdm=False)
-    batch = collate_token_ids(
-        [o.prompt_token_ids for o in outputs], [o.outputs[0].token_ids for o in outputs], 0
-    )
-    lengths = [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outputs]
-    log_p, log_q = (
-        frozen_log_probs(
-            m, batch, lengths, [*range(len(lengths))], args.microbatch_size, args.temperature
-        )
-        for m in (policy, teacher)
-    )
-    mask = batch["response_mask"].to(log_p.device)
-    return {
-        "eval/reverse_kl": masked_normalize(log_p - log_q, mask, max(mask.sum().item(), 1)).item()
-    }
+    return metrics, n_bad_in_a_row
 
 
 def main(args: Args) -> Path:
-    args = restore_args(args)  # --resume: the stopped run's arguments
+    # --resume: the stopped run's arguments
+    args = restore_args(args)
     check_student_and_teacher(args)
     n_prompts = args.rollout_batch_size // args.group_size
-    # a bad spec stops here, before the engine starts
+    # a bad dataset spec stops here, before the engine starts
     task = data.load_task(args, n_questions=n_prompts)
-    # --- PLUMBING: ranks, run folder, devices, engine, seeds, policy (the same steps in every script) ---
-    # under torchrun: every rank an engine, a trainer, a share of the questions
+
+    # --- PLUMBING: ranks, run folder, devices, engine, policy ---
     init_distributed(args.rank_timeout_s)
     run_dir = make_run_dir(args)
     policy_device, vllm_device, memory_fraction, reload_tol = resolve_devices(args)
     model_path = str(checkpoints(run_dir)[-1]) if checkpoints(run_dir) else args.model
-    print(
-        f"run folder {run_dir}; trainer on {policy_device}, vLLM on {vllm_device}; starting from {model_path}"
-    )
-    task.tokenizer = tokenizer = AutoTokenizer.from_pretrained(model_path)
-    # The engine's context must hold a prompt and its response, and the 400-token reload probes plus
-    # 16 tokens.
+    print(f"run folder {run_dir}; trainer on {policy_device}, vLLM on {vllm_device}")
+    print(f"starting from {model_path}")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    task.tokenizer = tokenizer
+    # a prompt and its response; the reload check's 400-token probes and 16 tokens
     max_model_len = max(task.longest_prompt(), 400) + max(args.max_tokens, args.eval_max_tokens, 16)
+    # the engine first: it starts only if its share of the GPU is free; the trainer gets the rest
     llm = init_vllm(model_path, vllm_device, args.seed, memory_fraction, max_model_len)
     policy, autocast = load_policy(
         model_path, policy_device, args.gradient_checkpointing, args.seed
     )
-    # The teacher beside the student, frozen, bf16 on a GPU: a grade is one forward pass (a second
-    # engine: more memory)
-    dtype = torch.bfloat16 if policy_device.startswith("cuda") else torch.float32
-    teacher = (
-        AutoModelForCausalLM.from_pretrained(args.teacher, dtype=dtype)
-        .to(policy_device)
-        .requires_grad_(False)
-    )
+    # beside the student: a grade is one forward pass (a second engine would take more memory)
+    teacher = load_frozen_model(args.teacher, policy_device)
     sampling = dict(
         n=args.group_size,
         temperature=args.temperature,
         max_tokens=args.max_tokens,
         include_stop_str_in_output=True,
     )
-    probe_prompts = make_probe_prompts(
-        tokenizer, [task.prompt(ex) + ex["solution"] for ex in task.train[:8]]
-    )
+    probe_texts = [task.prompt(ex) + ex["solution"] for ex in task.train[:8]]
+    probe_prompts = make_probe_prompts(tokenizer, probe_texts)
 
-    # --- Optimizer and resume ---
+    # --- Optimizer, resume ---
+    # beta2 0.95, not torch's 0.999 (as in CS336's GRPO): the second moment forgets in ~20
+    # updates, not ~1000, as the gradients' scale moves with the policy's own samples
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95)
     )
-    scheduler = get_constant_schedule_with_warmup(optimizer, args.warmup_steps)
-    start_step = resume_from(run_dir, optimizer, scheduler)
+    start_step = resume_from(run_dir, optimizer)["step"]
     log = make_logger(run_dir, args)
     # the engine follows from step 0 on
     gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)
     if start_step == 0:
-        log(
-            {
-                **evaluate(llm, policy, tokenizer, task, args, vllm_device, run_dir, 0),
-                "reload/logprob_gap": gap,
-                **held_out_reverse_kl(llm, policy, teacher, task, args, vllm_device),
-            },
-            0,
-        )
+        metrics = evaluate(llm, policy, tokenizer, task, args, vllm_device, run_dir, 0)
+        metrics["reload/logprob_gap"] = gap
+        metrics.update(held_out_reverse_kl(llm, policy, teacher, task, args, vllm_device))
+        log(metrics, 0)
 
     # --- ALGORITHM: the distillation loop ---
+    n_bad_in_a_row = 0
     for step in range(start_step, args.n_distill_steps):
-        # when each phase ended: time/<phase> is the time from the previous end
-        ends = {"start": time.time()}
-        # --- 1. Generate and score (the reward: logged; in the advantage with --reward-weight); each rank its share ---
-        examples, seeds = task.questions(n_prompts, args.group_size, args.seed, step)
-        params = [
-            SamplingParams(**sampling, stop=task.stop(ex), seed=s)
-            for ex, s in zip(examples, seeds, strict=True)
-        ]
-        with engine_device(vllm_device):
-            outputs = llm.generate(
-                my_share([task.prompt(ex) for ex in examples]), my_share(params), use_tqdm=False
-            )
-        ends["generate"], truths = (
-            time.time(),
-            [ex for ex in my_share(examples) for _ in range(args.group_size)],
-        )
-        scores = gather(
-            verifiers.score_batch([c.text for output in outputs for c in output.outputs], truths)
-        )
-        outputs = gather(outputs)
-        # Flattened, group by group: responses j * G ... j * G + G - 1 answer question j.  (B,)
-        # lists, B = n_prompts G
-        completions = [c for output in outputs for c in output.outputs]
-        prompt_ids = [list(output.prompt_token_ids) for output in outputs for _ in output.outputs]
-        raw_rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)  # (B,)
-        ends["score"] = time.time()
-
-        # --- 2. Update: the teacher grades every sampled token, then one optimizer step toward it ---
-        # the pad is masked out
-        batch = collate_token_ids(prompt_ids, [c.token_ids for c in completions], 0)
-        batch["reward_advantages"] = group_normalized_rewards(raw_rewards, args.group_size)  # (B,)
-        # unpadded
-        lengths = [
-            len(p) + len(c.token_ids) - 1 for p, c in zip(prompt_ids, completions, strict=True)
-        ]
-        metrics = update_student(
-            policy, teacher, optimizer, scheduler, batch, lengths, args, step, autocast
-        )
-        ends["train"] = time.time()
-
-        # --- 3. Reload the new weights into the engine, and prove it follows them (also after a skipped update) ---
-        metrics["reload/logprob_gap"] = reload_and_check(
-            policy, llm, probe_prompts, vllm_device, reload_tol
-        )
-        ends["reload"] = time.time()
-
-        # --- 4. Log, evaluate, save ---
+        metrics = {}
+        step_start = time.time()
         step_done = step + 1
-        metrics.update(
-            {
-                "rollout/reward_mean": raw_rewards.mean().item(),
-                "train/lr": scheduler.get_last_lr()[0],
-                "rollout/response_length": float(np.mean([len(c.token_ids) for c in completions])),
-                "rollout/truncation_rate": float(
-                    np.mean([c.finish_reason == "length" for c in completions])
-                ),
-                **{f"time/{phase}": ends[phase] - ends[prev] for prev, phase in pairwise(ends)},
-            }
-        )
-        metrics.update(
-            task.rollout_metrics(examples, raw_rewards.view(-1, args.group_size).tolist())
-        )
+
+        # --- 1. Generate group_size responses to each of this step's questions ---
+        # each rank its share; every rank gets all the responses
+        with timed(metrics, "generate"):
+            examples, outputs = generate_responses(
+                llm, task, sampling, n_prompts, args.seed, step, vllm_device
+            )
+
+        # --- 2. Score and advantages ---
+        with timed(metrics, "score"):
+            scores = score_responses(examples, outputs)
+        raw_rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)  # (B,)
+        # responses j G ... j G + G - 1 answer question j
+        completions = [c for output in outputs for c in output.outputs]  # (B,)
+        # (B,), in the loss with --reward-weight (the teacher's part comes in 3.)
+        reward_advantages = group_normalize(raw_rewards, args.group_size, 1e-6, True)
+
+        # --- 3. Update: the teacher grades every sampled token, then one optimizer step ---
+        lr = get_lr(step, args.lr, args.warmup_steps, args.n_distill_steps, "constant")
+        with timed(metrics, "train"):
+            prompt_ids = [list(o.prompt_token_ids) for o in outputs for _ in o.outputs]
+            response_ids = [c.token_ids for c in completions]
+            # the pad (0) is masked out
+            batch = collate_token_ids(prompt_ids, response_ids, 0)
+            # (B, 1): microbatches cuts it like the (B, T) tensors
+            batch["reward_advantages"] = reward_advantages.unsqueeze(1)
+            lengths = [len(p) + len(r) - 1 for p, r in zip(prompt_ids, response_ids, strict=True)]
+            update_metrics, n_bad_in_a_row = distill_update(
+                policy,
+                teacher,
+                optimizer,
+                batch,
+                lengths,
+                lr,
+                args,
+                autocast,
+                n_bad_in_a_row,
+            )
+        metrics.update(update_metrics)
+        metrics["train/lr"] = lr
+
+        # --- 4. Reload the new weights into the engine and check that it follows them ---
+        gap = None
+        with timed(metrics, "reload"):
+            # only if an update changed them
+            if metrics["train/n_updates"]:
+                gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)
+        metrics["reload/logprob_gap"] = gap
+
+        # --- 5. Log, evaluate, save ---
+        metrics["rollout/reward_mean"] = raw_rewards.mean().item()
+        n_tokens = [len(c.token_ids) for c in completions]
+        metrics["rollout/response_length"] = float(np.mean(n_tokens))
+        truncated = [c.finish_reason == "length" for c in completions]
+        metrics["rollout/truncation_rate"] = float(np.mean(truncated))
+        grouped_rewards = raw_rewards.view(-1, args.group_size).tolist()
+        metrics.update(task.rollout_metrics(examples, grouped_rewards))
         if step_done % args.eval_every == 0 or step_done == args.n_distill_steps:
             metrics.update(
                 evaluate(llm, policy, tokenizer, task, args, vllm_device, run_dir, step_done)
             )
             metrics.update(held_out_reverse_kl(llm, policy, teacher, task, args, vllm_device))
-        metrics["time/step"] = time.time() - ends["start"]
+        metrics["time/step"] = time.time() - step_start
         log(metrics, step_done)
         print(
-            f"step {step_done:5d}/{args.n_distill_steps} | reverse KL {metrics['rollout/reverse_kl']:.4f} | "
-            f"reward {metrics['rollout/reward_mean']:.3f} | {metrics['time/step']:.1f} s"
+            f"step {step_done:5d}/{args.n_distill_steps}"
+            f" | reverse KL {metrics['rollout/reverse_kl']:.4f}"
+            f" | reward {metrics['rollout/reward_mean']:.3f}"
+            f" | {metrics['time/step']:.1f} s"
         )
         if step_done % args.save_every == 0 or step_done == args.n_distill_steps:
             save_checkpoint(
-                run_dir, step_done, policy, tokenizer, optimizer, scheduler, args.keep_checkpoints
+                run_dir,
+                step_done,
+                policy,
+                tokenizer,
+                optimizer,
+                step_done,
+                args.keep_checkpoints,
             )
     return run_dir
+
+
+# --- PLUMBING: distill.py's own: the teacher's checks, the held-out reverse KL ---
+
+
+def check_student_and_teacher(args: Args) -> None:
+    """Refuse, before anything loads: inconsistent arguments; a missing teacher; a teacher whose
+    vocabulary is not the student's (a grade of token id k means something only if both models
+    mean the same token by k); a teacher too big for a GPU that the engine shares."""
+    if args.rollout_batch_size % args.group_size:
+        raise ValueError("rollout_batch_size must be a multiple of group_size")
+    if args.reward_weight and args.group_size < 2:
+        raise ValueError("--reward-weight needs groups of 2 or more: the group is the baseline")
+    looks_local = args.teacher.startswith((".", "/", "~")) or args.teacher.count("/") > 1
+    if looks_local and not (Path(args.teacher).expanduser() / "config.json").is_file():
+        raise ValueError(f"--teacher {args.teacher}: no model folder there (no config.json)")
+    student_vocab = AutoTokenizer.from_pretrained(args.model).get_vocab()
+    teacher_vocab = AutoTokenizer.from_pretrained(args.teacher).get_vocab()
+    if student_vocab != teacher_vocab:
+        raise ValueError(
+            f"--teacher {args.teacher} has another vocabulary ({len(teacher_vocab)} tokens) than "
+            f"{args.model} ({len(student_vocab)}): a grade per token needs the same tokens"
+        )
+    policy_device, vllm_device, engine_share, _ = resolve_devices(args)
+    # On a GPU the engine shares, Qwen3-8B does not fit beside a training Qwen3-1.7B (docs/gpu.md).
+    # Refused, not fixed quietly by turning on gradient checkpointing: that costs ~30% of the
+    # time, and the user may prefer another GPU for the engine or a smaller teacher.
+    shared_gpu = policy_device.startswith("cuda") and vllm_device == policy_device
+    if shared_gpu and not args.gradient_checkpointing:
+        gpu_bytes = torch.cuda.get_device_properties(policy_device).total_memory
+        student = n_parameters(args.model)
+        teacher = n_parameters(args.teacher)
+        shortfall = shared_gpu_shortfall(gpu_bytes, engine_share, student, teacher)
+        if shortfall > 0:
+            raise ValueError(
+                f"--teacher {args.teacher} does not fit on {policy_device} beside the engine and "
+                f"the student in training: ~{shortfall / 2**30:.0f} GiB short. Give the engine "
+                "its own GPU (--vllm-device cuda:1), add --gradient-checkpointing, or take a "
+                "smaller teacher"
+            )
+
+
+def n_parameters(model: str) -> int:
+    """A model's parameter count from its config.json alone: built on the meta device, it holds
+    no memory."""
+    config = AutoConfig.from_pretrained(model)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in skeleton.parameters())
+
+
+def shared_gpu_shortfall(
+    gpu_bytes: int, engine_share: float, student_params: int, teacher_params: int
+) -> float:
+    """The bytes missing on one GPU for the engine's share of it; the student in training: float32
+    weights, gradients and AdamW's two moments (16 bytes a parameter) and its activations without
+    gradient checkpointing (~12 bytes a parameter: ~19 GiB for Qwen3-1.7B at --microbatch-size 2
+    and 1024 new tokens); and the teacher in bf16 (2 bytes a parameter). <= 0: it fits."""
+    need = engine_share * gpu_bytes + (16 + 12) * student_params + 2 * teacher_params
+    return need - gpu_bytes
+
+
+def held_out_reverse_kl(
+    llm: LLM, policy, teacher, task: data.Task, args: Args, vllm_device: str
+) -> dict:
+    """eval/reverse_kl: KL(student || teacher) per token on the eval prompts, one response each,
+    sampled as in training (unbiased; greedy is not) and with the same seed each time: a change
+    is the student's. Whole on every rank: the same number."""
+    examples = [ex for name in task.names for ex in task.evals[name]]
+    params = []
+    for ex in examples:
+        params.append(
+            SamplingParams(
+                temperature=args.temperature,
+                max_tokens=args.eval_max_tokens,
+                stop=task.stop(ex),
+                include_stop_str_in_output=True,
+                seed=args.seed,
+            )
+        )
+    prompts = [task.prompt(ex) for ex in examples]
+    with engine_device(vllm_device):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    prompt_ids = [o.prompt_token_ids for o in outputs]
+    response_ids = [o.outputs[0].token_ids for o in outputs]
+    batch = collate_token_ids(prompt_ids, response_ids, 0)
+    lengths = [len(p) + len(r) - 1 for p, r in zip(prompt_ids, response_ids, strict=True)]
+    rows = list(range(len(lengths)))
+    student_log_probs = frozen_log_probs(
+        policy, batch, lengths, rows, args.microbatch_size, args.temperature
+    )
+    teacher_log_probs = frozen_log_probs(
+        teacher, batch, lengths, rows, args.microbatch_size, args.temperature
+    )
+    mask = batch["response_mask"].to(student_log_probs.device)
+    n_tokens = max(mask.sum().item(), 1)
+    reverse_kl = masked_normalize(student_log_probs - teacher_log_probs, mask, n_tokens)
+    return {"eval/reverse_kl": reverse_kl.item()}
+
+
+# --- PLUMBING: a draw of questions, generated and scored (same in grpo.py and distill.py) ---
+
+
+def generate_responses(
+    llm: LLM, task: data.Task, sampling: dict, n_prompts: int, seed: int, step: int, device: str
+) -> tuple[list[dict], list]:
+    """This step's n_prompts questions for `seed` (a resumed run draws the same) and the engine's
+    sampling["n"] responses to each: (the questions, vLLM's outputs, one per question). Each rank
+    generates its share; every rank gets all."""
+    examples, seeds = task.questions(n_prompts, sampling["n"], seed, step)
+    prompts = [task.prompt(ex) for ex in examples]
+    params = []
+    for ex, first_seed in zip(examples, seeds, strict=True):
+        params.append(SamplingParams(**sampling, stop=task.stop(ex), seed=first_seed))
+    with engine_device(device):
+        outputs = llm.generate(my_share(prompts), my_share(params), use_tqdm=False)
+    return examples, gather(outputs)
+
+
+def score_responses(examples: list[dict], outputs: list) -> list[dict]:
+    """verifiers.score of each response (response k to question j at j G + k): each rank scores
+    the share it generated (code runs in a sandbox); every rank gets all."""
+    responses = []
+    questions = []
+    for ex, output in zip(my_share(examples), my_share(outputs), strict=True):
+        for completion in output.outputs:
+            responses.append(completion.text)
+            questions.append(ex)
+    return gather(verifiers.score_batch(responses, questions))
 
 
 # --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
 def engine_device(device: str):
-    """Run engine calls with the engine's GPU current: vLLM uses the ambient CUDA device
-    (docs/gpu.md)."""
-    return torch.cuda.device(device) if device.startswith("cuda") else contextlib.nullcontext()
+    """Run engine calls with the engine's GPU current: vLLM uses the ambient CUDA device."""
+    if device.startswith("cuda"):
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def init_vllm(
     model: str, device: str, seed: int, gpu_memory_utilization: float, max_model_len: int
 ) -> LLM:
-    """A vLLM engine in this process (reload_weights then takes the trainer's tensors directly) on
-    "cpu" or "cuda:N"; processed_logprobs: a sampled token's log-prob after temperature, as it was
-    sampled."""
+    """A vLLM engine in this process, on "cpu" or "cuda:N": in the same process,
+    reload_weights can take the trainer's tensors directly."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     common = dict(
         model=model,
         seed=seed,
         max_model_len=max_model_len,
         enable_prefix_caching=True,
+        # a sampled token's log-prob after the temperature: the distribution it was drawn from
         logprobs_mode="processed_logprobs",
     )
     if device == "cpu":
-        # float32: log-probs match the trainer's; eager: no ~40 s compile; a 1 GiB KV cache, not
-        # half the RAM. No chunked prefill: vLLM then rewinds seeded generators, which fails on CPU
-        # ("CPU Generator does not use offset")
+        # A 1 GiB KV cache, not half the machine's memory.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        return LLM(**common, dtype="float32", enforce_eager=True, enable_chunked_prefill=False)
+        return LLM(
+            **common,
+            # float32: the engine's log-probs match the trainer's
+            dtype="float32",
+            # no compile: it would take ~40 s at every start
+            enforce_eager=True,
+            # chunked prefill rewinds seeded generators, which fails on CPU
+            enable_chunked_prefill=False,
+        )
     # device_ids places the engine; the memory share is of that whole GPU
     gpu = torch.device(device).index or 0
     return LLM(
-        **common, dtype="bfloat16", device_ids=[gpu], gpu_memory_utilization=gpu_memory_utilization
+        **common,
+        dtype="bfloat16",
+        device_ids=[gpu],
+        gpu_memory_utilization=gpu_memory_utilization,
     )
 
 
 def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
-    """Copy the trainer's weights into the running engine and drop its prefix cache (computed with
-    the OLD weights). state_dict(), not named_parameters(): that one leaves out the tied
-    lm_head.weight, which would stay stale."""
+    """Copy the trainer's weights into the running engine, and drop its prefix cache: the
+    cached keys and values were computed with the old weights."""
+    dtype = llm.llm_engine.model_config.dtype
+    # state_dict(), not named_parameters(): that one leaves out a tied lm_head.weight
+    weights = [(name, t.detach().to(dtype)) for name, t in policy.state_dict().items()]
     with engine_device(device):
-        weights = [
-            (name, t.detach().to(llm.llm_engine.model_config.dtype))
-            for name, t in policy.state_dict().items()
-        ]
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
 
 
 def make_probe_prompts(tokenizer, texts: list[str], n_tokens: int = 400) -> list[list[int]]:
-    """Two fixed prompts for the reload check, long: a prefix cache reuses only full blocks (128
-    tokens on CPU)."""
-    # surely long enough
-    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"] * (2 * n_tokens)
+    """Two fixed token prompts for the reload check, long enough to fill whole blocks of the
+    prefix cache (it reuses only full blocks: 128 tokens on CPU)."""
+    text = "\n\n".join(texts)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"] * (2 * n_tokens)
     return [ids[:n_tokens], ids[n_tokens : 2 * n_tokens]]
 
 
 def weights_that_differ(policy, llm: LLM, device: str) -> list[str]:
-    """The engine's weights that differ, bit for bit, from the trainer's in the engine's dtype
-    (every 64th row; a fused weight stacks the trainer's parts): exact in bf16 too. On CPU, linear
-    weights live in oneDNN (empty): skipped."""
+    """The names of the engine's weights that differ, bit for bit, from the trainer's cast to
+    the engine's dtype (every 64th row; a fused weight stacks the trainer's parts): exact in
+    bf16 too. On CPU the engine keeps linear weights in oneDNN (empty here): skipped."""
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    state, rows = policy.state_dict(), lambda t: t if t.dim() == 1 else t[::64]
+    state = policy.state_dict()
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t if t.dim() == 1 else t[::64]
+
+    def read_back(model) -> dict[str, torch.Tensor]:
+        return {n: rows(p.detach()).cpu() for n, p in model.named_parameters()}
+
     with engine_device(device):
-        (engine,) = llm.apply_model(
-            lambda model: {n: rows(p.detach()).cpu() for n, p in model.named_parameters()}
-        )
+        (engine,) = llm.apply_model(read_back)
     differ = []
     for name, tensor in engine.items():
-        module = name.split(".")[-2]  # model.layers.0.self_attn.qkv_proj.weight -> qkv_proj
-        trainer = torch.cat(
-            [state[name.replace(module, part)] for part in fused.get(module, (module,))]
-        )
-        if tensor.numel() and not torch.equal(tensor, rows(trainer).to(tensor.dtype).cpu()):
+        # model.layers.0.self_attn.qkv_proj.weight -> qkv_proj
+        module = name.split(".")[-2]
+        parts = fused.get(module, (module,))
+        trainer = torch.cat([state[name.replace(module, part)] for part in parts])
+        trainer = rows(trainer).to(tensor.dtype).cpu()
+        if tensor.numel() and not torch.equal(tensor, trainer):
             differ.append(name)
     return differ
 
@@ -605,130 +770,122 @@ def weights_that_differ(policy, llm: LLM, device: str) -> list[str]:
 def probe_gap(
     policy, llm: LLM, probe_prompts: list[list[int]], device: str, n_tokens: int = 16
 ) -> float:
-    """The engine continues each probe greedily, the trainer scores the same tokens: the worse
-    prompt's median |log-prob gap| (a near-tie in bf16 must not stop a run). Generated: prompt
-    log-probs skip the prefix cache."""
+    """The engine continues each probe greedily and the trainer scores the same tokens: the
+    worse prompt's median |log-prob gap| (a median: one near-tie in bf16 must not stop a run).
+    Generated tokens, not prompt log-probs: those would skip the prefix cache."""
     params = SamplingParams(temperature=0.0, max_tokens=n_tokens, logprobs=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in probe_prompts]
     with engine_device(device):
-        outputs = llm.generate(
-            [{"prompt_token_ids": p} for p in probe_prompts], params, use_tqdm=False
-        )
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     gaps = []
     for prompt, output in zip(probe_prompts, outputs, strict=True):
-        ids, logprobs = list(output.outputs[0].token_ids), output.outputs[0].logprobs
-        full = torch.tensor([prompt + ids], device=next(policy.parameters()).device)  # (1, L)
-        with torch.no_grad():
-            trainer = get_response_log_probs(policy, full[:, :-1], full[:, 1:])["log_probs"][
-                0, -len(ids) :
-            ]
+        ids = list(output.outputs[0].token_ids)
+        logprobs = output.outputs[0].logprobs
         engine = torch.tensor([lp[t].logprob for lp, t in zip(logprobs, ids, strict=True)])
-        gaps.append((engine - trainer.float().cpu()).abs().median().item())
+        full = torch.tensor([prompt + ids], device=policy.device)  # (1, L)
+        with torch.no_grad():
+            out = get_response_log_probs(policy, full[:, :-1], full[:, 1:])
+        trainer = out["log_probs"][0, -len(ids) :].float().cpu()
+        gaps.append((engine - trainer).abs().median().item())
     return max(gaps)
 
 
 def reload_and_check(
     policy, llm: LLM, probe_prompts: list[list[int]], device: str, tol: float
 ) -> float:
-    """Copy the trainer's weights into the engine and prove it follows them, or raise: the weights
-    read back equal the trainer's, and the probe's gap is within tol (~1e-6 in float32); a warning
-    above tol / 10. Returns the gap."""
+    """Copy the trainer's weights into the engine and prove that it follows them, or raise:
+    the weights read back equal the trainer's, and the probe's gap is within tol (~1e-6 in
+    float32). Warns above tol / 10. Returns the gap."""
     load_policy_into_vllm(policy, llm, device)
-    differ, gap = (
-        weights_that_differ(policy, llm, device),
-        probe_gap(policy, llm, probe_prompts, device),
-    )
+    differ = weights_that_differ(policy, llm, device)
+    gap = probe_gap(policy, llm, probe_prompts, device)
     if differ or not gap <= tol:
         raise RuntimeError(
-            f"vLLM does not follow the trainer after a weight reload: engine weights that differ "
-            f"{differ}, median |log-prob gap| {gap:.3g} (stop above {tol:.3g})"
+            "vLLM does not follow the trainer after a weight reload: "
+            f"engine weights that differ {differ}, "
+            f"median |log-prob gap| {gap:.3g} (stop above {tol:.3g})"
         )
     if gap > tol / 10:
-        warnings.warn(
-            f"engine/trainer log-prob gap {gap:.3g} after a reload (stop above {tol:.3g})",
-            stacklevel=2,
-        )
+        message = f"engine/trainer log-prob gap {gap:.3g} after a reload (stop above {tol:.3g})"
+        warnings.warn(message, stacklevel=2)
     return gap
 
 
 def evaluate(
-    llm: LLM, policy, tokenizer, task: data.Task, args, vllm_device: str, run_dir: Path, step: int
-):
-    """Greedy responses to every eval example, scored: metrics per dataset and in all; a few to
-    generations.jsonl."""
-    # gathered below
-    t0, examples = time.time(), my_share([ex for name in task.names for ex in task.evals[name]])
-    # stop strings stay in the output: the verifier reads them
+    llm: LLM,
+    policy,
+    tokenizer,
+    task: data.Task,
+    args,
+    vllm_device: str,
+    run_dir: Path,
+    step: int,
+) -> dict:
+    """Greedy responses to every eval example, scored: metrics per dataset and in all, and
+    a few responses to generations.jsonl. Each rank evaluates its share."""
+    t0 = time.time()
+    examples = [ex for name in task.names for ex in task.evals[name]]
+    examples = my_share(examples)
     prompts = [task.prompt(ex) for ex in examples]
-    params = [
-        SamplingParams(
-            temperature=0.0,
-            max_tokens=args.eval_max_tokens,
-            stop=task.stop(ex),
-            include_stop_str_in_output=True,
+    params = []
+    for ex in examples:
+        # the stop string stays in the output: the verifier reads it
+        params.append(
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=args.eval_max_tokens,
+                stop=task.stop(ex),
+                include_stop_str_in_output=True,
+            )
         )
-        for ex in examples
-    ]
     with engine_device(vllm_device):
-        completions = [output.outputs[0] for output in llm.generate(prompts, params, use_tqdm=True)]
-    # code: programs run in a pool
+        outputs = llm.generate(prompts, params, use_tqdm=True)
+    completions = [output.outputs[0] for output in outputs]
     rewards = verifiers.score_batch([c.text for c in completions], examples)
-    records = [
-        {
-            "dataset": ex["dataset"],
-            "id": ex["id"],
-            "prompt": prompt,
-            "response": c.text,
-            "answer": ex["answer"],
-            "reward": reward,
-            "n_tokens": len(c.token_ids),
-            "truncated": c.finish_reason == "length",
-        }
-        for ex, prompt, c, reward in zip(examples, prompts, completions, rewards, strict=True)
-    ]
+    records = []
+    for ex, prompt, c, reward in zip(examples, prompts, completions, rewards, strict=True):
+        records.append(
+            {
+                "dataset": ex["dataset"],
+                "id": ex["id"],
+                "prompt": prompt,
+                "response": c.text,
+                "answer": ex["answer"],
+                "reward": reward,
+                "n_tokens": len(c.token_ids),
+                "truncated": c.finish_reason == "length",
+            }
+        )
     records = gather(records)
-    sample_metrics, samples = log_generations(policy, tokenizer, records[: args.n_log_generations])
-    append_jsonl(run_dir / "generations.jsonl", [{"step": step, **sample} for sample in samples])
+    samples = log_generations(policy, tokenizer, records[: args.n_log_generations])
+    append_jsonl(run_dir / "generations.jsonl", [{"step": step, **s} for s in samples])
     metrics = data.eval_metrics(records)
-    print(
-        f"step {step:5d} | eval accuracy {metrics['eval/accuracy']:.3f} format {metrics['eval/format_rate']:.3f}"
-    )
-    return {**metrics, **sample_metrics, "time/eval": time.time() - t0}
+    if samples:
+        entropies = [s["mean_token_entropy"] for s in samples]
+        metrics["eval/sample_token_entropy"] = float(np.mean(entropies))
+    accuracy = metrics["eval/accuracy"]
+    print(f"step {step:5d} | eval accuracy {accuracy:.3f} format {metrics['eval/format_rate']:.3f}")
+    return {**metrics, "time/eval": time.time() - t0}
 
 
-def log_generations(policy, tokenizer, records: list[dict]) -> tuple[dict, list[dict]]:
-    """The trainer's mean token entropy over each record's response: (metrics, records with
-    "mean_token_entropy"). None, not NaN, without records: strict JSON. (data.eval_metrics has the
-    lengths, over all the records.)"""
+def log_generations(policy, tokenizer, records: list[dict]) -> list[dict]:
+    """The records, each with the trainer's mean token entropy over its response."""
     out = []
     for record in records:
         batch = tokenize_prompt_and_output([record["prompt"]], [record["response"]], tokenizer)
         batch = {k: v.to(policy.device) for k, v in batch.items()}
         with torch.no_grad():
-            entropy = get_response_log_probs(policy, batch["input_ids"], batch["labels"], True)[
-                "token_entropy"
-            ]
+            entropy = get_response_log_probs(
+                policy, batch["input_ids"], batch["labels"], return_token_entropy=True
+            )["token_entropy"]
         n_tokens = max(batch["response_mask"].sum().item(), 1)
-        out.append(
-            {
-                **record,
-                "mean_token_entropy": masked_normalize(
-                    entropy, batch["response_mask"], n_tokens
-                ).item(),
-            }
-        )
-    return {
-        "eval/sample_token_entropy": float(np.mean([r["mean_token_entropy"] for r in out]))
-        if out
-        else None
-    }, out
+        mean_entropy = masked_normalize(entropy, batch["response_mask"], n_tokens).item()
+        out.append({**record, "mean_token_entropy": mean_entropy})
+    return out
 
 
 # --- PLUMBING: run folder, devices, checkpoints, logs, ranks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
-# torchrun's; alone: 0 of 1
-RANK, WORLD_SIZE = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-# under torchrun: a gloo group, and how long a rank waits in it for the others (docs/distributed.md)
-RANKS = {}
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {
     "resume",
@@ -746,30 +903,29 @@ RESUME_MAY_CHANGE = {
 
 
 def restore_args(args):
-    """With --resume: the stopped run's arguments. A non-default one that differs is refused, unless
-    it may change."""
+    """With --resume: the stopped run's arguments. A non-default argument that differs from
+    the run's is refused, unless it is one a resumed run may change."""
     if not args.resume:
         return args
-    saved, defaults = json.loads((Path(args.resume) / "args.json").read_text()), type(args)()
+    saved = json.loads((Path(args.resume) / "args.json").read_text())
+    defaults = type(args)()
     given = {k: v for k, v in asdict(args).items() if v != getattr(defaults, k)}
-    conflicts = [
-        f"--{k.replace('_', '-')} {v!r} (the run has {saved[k]!r})"
-        for k, v in given.items()
-        if k in saved and saved[k] != v and k not in RESUME_MAY_CHANGE
-    ]
+    conflicts = []
+    for k, v in given.items():
+        if k in saved and saved[k] != v and k not in RESUME_MAY_CHANGE:
+            conflicts.append(f"--{k.replace('_', '-')} {v!r} (the run has {saved[k]!r})")
     if conflicts:
         raise ValueError(
             f"--resume {args.resume} continues a run with other arguments: {', '.join(conflicts)}"
         )
-    return replace(
-        args,
-        **{k: v for k, v in saved.items() if k in defaults.__dataclass_fields__ and k not in given},
-    )
+    fields = defaults.__dataclass_fields__
+    restored = {k: v for k, v in saved.items() if k in fields and k not in given}
+    return replace(args, **restored)
 
 
 def make_run_dir(args) -> Path:
-    """runs/<exp_name>__<seed>__<unix time> (rank 0's time), or the folder being resumed, with
-    args.json in it."""
+    """runs/<exp_name>__<seed>__<unix time> (rank 0's time), or the folder being resumed,
+    with args.json in it."""
     name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.resume or Path(args.output_dir) / gather([name])[0])
     if RANK == 0:
@@ -779,32 +935,44 @@ def make_run_dir(args) -> Path:
 
 
 def resolve_devices(args) -> tuple[str, str, float, float]:
-    """(trainer's device, engine's, the engine's share of its GPU, reload tolerance). The node's
-    GPUs are dealt out to its ranks (one process: one rank), k each: with k >= 2 a rank's trainer
-    takes its first, its engine the second; with k = 1 they share it; with none, both are on the
-    CPU, in float32. "cuda" is "cuda:0", so that they compare."""
-    canonical = lambda d: str(
-        torch.device(d.type, d.index or 0) if (d := torch.device(d)).type == "cuda" else d
-    )
-    # torchrun sets LOCAL_*
-    k = torch.cuda.device_count() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    """(the trainer's device, the engine's, the engine's share of its GPU, the reload
+    tolerance). A node's GPUs are dealt out to its ranks (one process: one rank), k each.
+    With k >= 2 a rank's trainer takes its first GPU and its engine the second; with k = 1
+    they share it; with no GPU both run on the CPU, in float32."""
+    n_gpus = torch.cuda.device_count()
+    n_local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if 0 < n_gpus < n_local_ranks:
+        raise ValueError(
+            f"{n_local_ranks} ranks on this node but {n_gpus} GPUs: "
+            f"run torchrun --nproc-per-node {n_gpus} or fewer"
+        )
+    k = n_gpus // n_local_ranks
     first = int(os.environ.get("LOCAL_RANK", 0)) * k
-    policy_device = canonical(args.policy_device or (f"cuda:{first}" if k else "cpu"))
-    vllm_device = canonical(args.vllm_device or (f"cuda:{first + 1}" if k > 1 else policy_device))
-    # None: the defaults; 0 is a value
-    memory, tol = args.vllm_gpu_memory_utilization, args.reload_tol
-    memory = (0.3 if vllm_device == policy_device else 0.85) if memory is None else memory
-    return (
-        policy_device,
-        vllm_device,
-        memory,
-        (1e-3 if vllm_device == "cpu" else 0.5) if tol is None else tol,
-    )
+    policy_device = args.policy_device or (f"cuda:{first}" if k else "cpu")
+    policy_device = canonical_device(policy_device)
+    vllm_device = args.vllm_device or (f"cuda:{first + 1}" if k > 1 else policy_device)
+    vllm_device = canonical_device(vllm_device)
+    # None means the default; 0 is a value
+    memory = args.vllm_gpu_memory_utilization
+    if memory is None:
+        memory = 0.3 if vllm_device == policy_device else 0.85
+    tol = args.reload_tol
+    if tol is None:
+        tol = 1e-3 if vllm_device == "cpu" else 0.5
+    return policy_device, vllm_device, memory, tol
+
+
+def canonical_device(device: str) -> str:
+    """ "cuda" is "cuda:0", so that two names of one GPU compare equal."""
+    d = torch.device(device)
+    if d.type == "cuda":
+        return f"cuda:{d.index or 0}"
+    return str(d)
 
 
 def load_policy(model_path: str, device: str, gradient_checkpointing: bool, seed: int):
-    """Seed, make the trainer's GPU current (the engine set its own), load in float32, train mode:
-    (model, autocast)."""
+    """Seed, make the trainer's GPU current (the engine set its own), load the model in
+    float32 in train mode: returns (model, autocast), bf16 autocast on a GPU."""
     torch.manual_seed(seed)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -813,70 +981,73 @@ def load_policy(model_path: str, device: str, gradient_checkpointing: bool, seed
     policy.train()
     if gradient_checkpointing:
         policy.gradient_checkpointing_enable()
-    return policy, torch.autocast("cuda", torch.bfloat16) if device.startswith(
-        "cuda"
-    ) else contextlib.nullcontext()
+    if device.startswith("cuda"):
+        return policy, torch.autocast("cuda", torch.bfloat16)
+    return policy, contextlib.nullcontext()
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """A run folder's complete checkpoints, oldest first (step_N.tmp, one being written, is not
-    one)."""
-    return sorted(
-        p for p in (run_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp")
-    )
+    """A run folder's complete checkpoints, oldest first (step_N.tmp is one being written)."""
+    found = (run_dir / "checkpoints").glob("step_*")
+    return sorted(p for p in found if not p.name.endswith(".tmp"))
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, keep: int
+    run_dir: Path, step: int, policy, tokenizer, optimizer, n_updates: int, keep: int
 ) -> None:
-    """checkpoints/step_N: a Hugging Face model folder and trainer_state.pt (no RNG state: all that
-    is random derives from (seed, step)), written as step_N.tmp then renamed: a kill mid-save loses
-    nothing. Keeps the newest `keep`."""
-    if RANK:  # the ranks' weights are the same
+    """checkpoints/step_N: a Hugging Face model folder, and trainer_state.pt with the
+    optimizer and the count of its updates (no RNG state: all that is random derives from
+    (seed, step)). Written as step_N.tmp, then renamed: a kill mid-save loses nothing.
+    Keeps the newest `keep` checkpoints (0: all)."""
+    if RANK != 0:
+        # every rank holds the same weights
         return
     final = run_dir / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+    state = {"step": step, "n_updates": n_updates, "optimizer": optimizer.state_dict()}
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    for old in checkpoints(run_dir)[:-keep] if keep else []:
-        shutil.rmtree(old)
+    if keep:
+        for old in checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old)
 
 
-def resume_from(run_dir: Path, optimizer, scheduler, *record_files: str) -> int:
-    """Restore the newest checkpoint's optimizer and scheduler, return its step (0 without one).
-    Records written after it are dropped (by rename: a crash leaves the file whole)."""
+def resume_from(run_dir: Path, optimizer, *record_files: str) -> dict:
+    """Restore the newest checkpoint's optimizer; returns its {"step", "n_updates"} (zeros
+    without a checkpoint). Records written after it are dropped (by a rename: a crash
+    leaves each file whole)."""
     if not checkpoints(run_dir):
-        return 0
-    state = torch.load(checkpoints(run_dir)[-1] / "trainer_state.pt", weights_only=False)
+        return {"step": 0, "n_updates": 0}
+    newest = checkpoints(run_dir)[-1]
+    # to the CPU first: a GPU run's state must not all land on the GPU it was saved from
+    state = torch.load(newest / "trainer_state.pt", map_location="cpu", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    for path in [run_dir / name for name in ("metrics.jsonl", "generations.jsonl", *record_files)]:
+    for name in ("metrics.jsonl", "generations.jsonl", *record_files):
+        path = run_dir / name
         if path.exists() and RANK == 0:
-            kept = [
-                line
-                for line in path.read_text().splitlines(True)
-                if json.loads(line)["step"] <= state["step"]
-            ]
-            path.with_name(path.name + ".tmp").write_text("".join(kept))
-            os.replace(path.with_name(path.name + ".tmp"), path)
-    print(f"resumed from {checkpoints(run_dir)[-1]} after step {state['step']}")
-    return state["step"]
+            lines = path.read_text().splitlines(True)
+            kept = [line for line in lines if json.loads(line)["step"] <= state["step"]]
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+    print(f"resumed from {newest} after step {state['step']}")
+    return {"step": state["step"], "n_updates": state["n_updates"]}
 
 
 def append_jsonl(path: Path, records: list[dict], allow_nan: bool = True) -> None:
-    # rank 0 writes what every rank gathered
+    """Append one JSON line per record; only rank 0 writes (what every rank gathered)."""
     with open(path if RANK == 0 else os.devnull, "a") as f:
-        f.writelines(json.dumps(record, allow_nan=allow_nan) + "\n" for record in records)
+        for record in records:
+            f.write(json.dumps(record, allow_nan=allow_nan) + "\n")
 
 
 def make_logger(run_dir: Path, args):
-    """log(metrics, step) appends to metrics.jsonl (NaN as null: strict JSON) and W&B (--track):
-    rank 0, for all."""
+    """log(metrics, step) appends a line to metrics.jsonl (a float NaN as null, so that the
+    file is strict JSON) and, with --track, to W&B."""
     if args.track and RANK == 0:
         import wandb
 
@@ -885,55 +1056,83 @@ def make_logger(run_dir: Path, args):
         )
 
     def log(metrics: dict, step: int) -> None:
-        metrics = {
-            k: None if isinstance(v, float) and not math.isfinite(v) else v
-            for k, v in metrics.items()
-        }
-        # a nested NaN: raise
-        append_jsonl(run_dir / "metrics.jsonl", [{"step": step, **metrics}], allow_nan=False)
+        finite = {}
+        for k, v in metrics.items():
+            finite[k] = None if isinstance(v, float) and not math.isfinite(v) else v
+        # allow_nan=False: a NaN nested deeper raises instead of writing invalid JSON
+        append_jsonl(run_dir / "metrics.jsonl", [{"step": step, **finite}], allow_nan=False)
         if args.track and RANK == 0:
-            wandb.log(metrics, step=step)
+            wandb.log(finite, step=step)
 
     return log
 
 
+@contextlib.contextmanager
+def timed(metrics: dict, phase: str):
+    """Adds the seconds the `with` block takes to metrics[f"time/{phase}"]."""
+    t0 = time.time()
+    yield
+    key = f"time/{phase}"
+    metrics[key] = metrics.get(key, 0.0) + time.time() - t0
+
+
+# Data parallel under torchrun (docs/distributed.md): every rank holds a whole model and an
+# engine, generates a share of each step's questions and trains a share of each batch's rows.
+# The gradients are summed over the ranks, so the update is the one a single process makes.
+# Alone: rank 0 of 1.
+RANK = int(os.environ.get("RANK", 0))
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))
+# under torchrun: a gloo group, and how long a rank waits in it for the others
+RANK_GROUP = {}
+
+
 def init_distributed(timeout_s: float) -> None:
-    """Under torchrun: join the ranks (NCCL on GPUs, else gloo) before the engine starts, else it
-    makes a world of its own, and make the gloo group now, while all are here (a collective too).
-    Rank 0 prints."""
-    if WORLD_SIZE > 1:
-        timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
-        RANKS.update(group=dist.new_group(backend="gloo", timeout=timeout), timeout=timeout)
-        sys.stdout = sys.stdout if RANK == 0 else open(os.devnull, "w")
+    """Under torchrun: join the ranks (NCCL on GPUs, else gloo) before the engine starts, or
+    it makes a world of its own, and make the gloo group now, while every rank is here (it is
+    a collective too). Only rank 0 prints."""
+    if WORLD_SIZE == 1:
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+    RANK_GROUP["group"] = dist.new_group(backend="gloo", timeout=timeout)
+    RANK_GROUP["timeout"] = timeout
+    if RANK != 0:
+        sys.stdout = open(os.devnull, "w")
 
 
 def my_share(items: list) -> list:
-    """This rank's contiguous share of a list every rank holds."""
+    """This rank's contiguous share of a list every rank holds: what it generates."""
     return items[RANK * len(items) // WORLD_SIZE : (RANK + 1) * len(items) // WORLD_SIZE]
 
 
+def rows_to_train(rows: list) -> list:
+    """This rank's rows of a batch every rank holds: every WORLD_SIZE-th, from its own."""
+    return rows[RANK::WORLD_SIZE]
+
+
 def gather(items: list) -> list:
-    """Every rank's list, concatenated in rank order, after a monitored_barrier (it names a rank
-    that does not come)."""
-    if not RANKS:
+    """Every rank's list, concatenated in rank order, after a monitored_barrier (which names
+    a rank that does not come)."""
+    if not RANK_GROUP:
         return items
-    dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
+    dist.monitored_barrier(RANK_GROUP["group"], RANK_GROUP["timeout"])
     parts = [None] * WORLD_SIZE
-    dist.all_gather_object(parts, items, group=RANKS["group"])
+    dist.all_gather_object(parts, items, group=RANK_GROUP["group"])
     return [item for part in parts for item in part]
 
 
 def sum_over_ranks(model, *tensors: torch.Tensor) -> None:
-    """Sum the gradients and these tensors over the ranks, in place: DDP's all-reduce by hand
-    (docs/distributed.md)."""
-    if RANKS:
-        dist.monitored_barrier(RANKS["group"], RANKS["timeout"])
-        for p in model.parameters():
+    """Sum the gradients and these tensors over the ranks, in place: DDP's all-reduce, by
+    hand."""
+    if not RANK_GROUP:
+        return
+    dist.monitored_barrier(RANK_GROUP["group"], RANK_GROUP["timeout"])
+    for p in model.parameters():
+        if p.grad is None:
             # a rank with no rows in this minibatch
-            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
-        for tensor in [p.grad for p in model.parameters()] + list(tensors):
-            dist.all_reduce(tensor)
+            p.grad = torch.zeros_like(p)
+    for tensor in [p.grad for p in model.parameters()] + list(tensors):
+        dist.all_reduce(tensor)
 
 
 if __name__ == "__main__":

@@ -47,16 +47,33 @@ def test_loss_and_gradient_by_hand():
     assert reverse_kl[0, :2].tolist() == pytest.approx([math.log(2), -math.log(2)])
 
 
-def test_group_normalized_rewards_by_hand():
+def test_group_normalize_by_hand():
     # Group [1, 0, 0, 0]: mean 0.25, unbiased std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5; group [1,
     # 1, 1, 1]: all 0.
-    advantages = distill.group_normalized_rewards(
-        torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1]), group_size=4, eps=0.0
-    )
+    advantages = distill.group_normalize(torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1]), 4, 0.0, True)
     assert advantages[:4].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5])
     # 0 / 0 with eps = 0
     assert advantages[4:].abs().max().item() < 1e-6 or torch.isnan(advantages[4:]).all()
-    assert distill.group_normalized_rewards(torch.tensor([1.0, 1, 1, 1]), 4).tolist() == [0.0] * 4
+    # distill.py's eps, 1e-6
+    assert (
+        distill.group_normalize(torch.tensor([1.0, 1, 1, 1]), 4, 1e-6, True).tolist() == [0.0] * 4
+    )
+
+
+def test_a_teacher_too_big_for_a_gpu_the_engine_shares_is_refused():
+    # 80 GB (79.6 GiB), the engine's 0.3: a Qwen3-1.7B student (1.72e9 parameters) in training
+    # beside Qwen3-8B (8.19e9) needs 23.9 + 44.9 + 15.3 GiB: ~4.5 GiB short. Beside Qwen3-4B
+    # (4.02e9, 7.5 GiB) it fits.
+    gpu = 85_520_000_000
+    short = distill.shared_gpu_shortfall(gpu, 0.3, 1_720_000_000, 8_190_000_000)
+    assert 4 < short / 2**30 < 5
+    assert distill.shared_gpu_shortfall(gpu, 0.3, 1_720_000_000, 4_020_000_000) < 0
+
+
+def test_parameter_count_from_the_config_alone(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    count = sum(p.numel() for p in model.parameters())
+    assert distill.n_parameters(str(tiny_model_dir)) == count
 
 
 def test_expected_gradient_is_the_reverse_kl_gradient():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM, get_scheduler
+from transformers import AutoModelForCausalLM
 
 import grpo
 
@@ -43,16 +43,15 @@ def rollout_batch(n: int, seed: int = 0) -> tuple[dict, list[int]]:
     batch = grpo.collate_token_ids(prompts, outputs, 0)
     # some above the IS cap
     batch["engine_log_probs"] = -5 - torch.rand(batch["response_mask"].shape, generator=g)
-    batch["advantages"], batch["raw_rewards"] = (
-        torch.randn(n, generator=g),
-        torch.rand(n, generator=g),
-    )
+    # (n, 1), as collate_rollouts lays them out
+    batch["advantages"] = torch.randn(n, generator=g).unsqueeze(1)
+    batch["raw_rewards"] = torch.rand(n, generator=g).unsqueeze(1)
     return batch, [len(p) + len(o) - 1 for p, o in zip(prompts, outputs, strict=True)]
 
 
 def one_update(model_dir: str, aggregation: str, n_rows: int) -> tuple[dict, dict]:
-    """One GRPO step's update_policy on a fixed rollout batch, off-policy (2 minibatches x 2 epochs)
-    with a KL reference: (the per-token and update sums, the new weights)."""
+    """One GRPO step's grpo_update on a fixed rollout batch, off-policy (2 minibatches x 2 epochs)
+    with a KL reference: (its metrics, the new weights)."""
     args = grpo.Args(
         model=model_dir,
         rollout_batch_size=8,
@@ -72,13 +71,12 @@ def one_update(model_dir: str, aggregation: str, n_rows: int) -> tuple[dict, dic
     # SGD: the weights move by the gradients themselves (Adam would blow a 1e-7 difference of a ~0
     # gradient up to lr)
     optimizer = torch.optim.SGD(policy.parameters(), lr=args.lr)
-    scheduler = get_scheduler("constant", optimizer)
     batch, lengths = rollout_batch(n_rows)
-    sums, _ = grpo.update_policy(
-        policy, reference, optimizer, scheduler, batch, lengths, args, 0, autocast, 0
+    lrs = [args.lr] * 4
+    metrics, _ = grpo.grpo_update(
+        policy, optimizer, batch, lengths, lrs, reference, args, 0, autocast, 0
     )
-    sums = {k: float(v) for k, v in sums.items()}
-    return sums, {k: v.detach().clone() for k, v in policy.state_dict().items()}
+    return metrics, {k: v.detach().clone() for k, v in policy.state_dict().items()}
 
 
 def rank_main(rank: int, world_size: int, port: int, model_dir: str, out: str) -> None:
@@ -104,16 +102,17 @@ def test_two_ranks_make_one_ranks_update(tiny_model_dir, tmp_path):
         # 12 rows: 6 per minibatch, 3 per rank. 3 rows: minibatches of 2 and 1 (rank 1 trains on
         # none of the second).
         for n_rows in (12, 3):
-            sums, weights = one_update(str(tiny_model_dir), aggregation, n_rows)
-            sums2, weights2 = two_ranks[aggregation, n_rows]
-            assert sums2.keys() == sums.keys()
-            for key, value in sums.items():
-                assert sums2[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (
+            metrics, weights = one_update(str(tiny_model_dir), aggregation, n_rows)
+            metrics2, weights2 = two_ranks[aggregation, n_rows]
+            assert metrics2.keys() == metrics.keys()
+            for key, value in metrics.items():
+                assert metrics2[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (
                     aggregation,
                     n_rows,
                     key,
                 )
-            assert sums["updates"] == 4 and sums["kl"] > 0  # 2 minibatches x 2 epochs
+            # 2 minibatches x 2 epochs
+            assert metrics["train/n_updates"] == 4 and metrics["train/kl"] > 0
             start = AutoModelForCausalLM.from_pretrained(
                 tiny_model_dir, dtype=torch.float32
             ).state_dict()

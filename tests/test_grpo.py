@@ -1,6 +1,7 @@
 """grpo.py: advantages and losses checked by hand on small tensors; the properties GRPO relies on
 (advantages sum to zero in a group, padding changes nothing, the on-policy clipped loss has the
-REINFORCE gradient, each loss aggregation gives the per-token weights of the docstring's table); and
+REINFORCE gradient, each loss aggregation gives the per-token weights of the docstring's table); the
+update, microbatched, steps by the gradient of its loss written out on the whole batch; and
 end-to-end runs with a real vLLM engine on the tiny model: the engine's weights change after every
 reload and follow the policy, a skipped reload stops the run, a resumed run ends exactly where an
 uninterrupted one does, non-finite updates are skipped and then stop the run.
@@ -27,6 +28,7 @@ from vllm.inputs import TokensPrompt
 import grpo
 from grpo import (
     Args,
+    aggregate_loss,
     collate_token_ids,
     compute_group_normalized_rewards,
     compute_grpo_clip_loss,
@@ -99,6 +101,17 @@ def test_advantages_sum_to_zero_within_each_group(normalize_by_std):
 def test_group_normalized_rewards_needs_whole_groups():
     with pytest.raises(ValueError, match="whole groups"):
         compute_group_normalized_rewards(exact_match, ["1", "2", "3"], ["1"] * 3, 2, 1e-6, True)
+
+
+def test_group_normalize_by_hand():
+    # group_normalize's worked example. Group [1, 0, 0, 0]: mean 0.25, unbiased std sqrt((0.75^2 +
+    # 3 * 0.25^2) / 3) = 0.5; group [1, 1, 1, 1]: all 0 (0 / (0 + eps)).
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1])
+    centred = [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0]
+    assert grpo.group_normalize(rewards, 4, 1e-6, False).tolist() == centred
+    advantages = grpo.group_normalize(rewards, 4, 1e-6, True)
+    assert advantages.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0], abs=1e-5)
+    assert advantages[4:].tolist() == [0.0] * 4
 
 
 # --- the per-token policy-gradient losses ---
@@ -264,9 +277,9 @@ def test_k3_kl():
     assert torch.equal(compute_k3_kl(a, a), torch.zeros(64, 32))
 
 
-# --- grpo_microbatch_train_step: the loss aggregations, gradient accumulation, padding, on-policy clipping ---
+# --- the loss as grpo_update puts it together: aggregations, accumulation, padding, KL, IS ---
 
-# The docstring's table: one batch of two responses of 4 and 7 tokens, padded to 9 positions.
+# The aggregate_loss docstring's weights: one batch of two responses of 4 and 7 tokens, padded to 9.
 MASK = torch.tensor([[1] * 4 + [0] * 5, [1] * 7 + [0] * 2], dtype=torch.bool)
 WEIGHTS = {
     # 1 / (N |o_i|), N = 2
@@ -277,24 +290,49 @@ WEIGHTS = {
 ADVANTAGES = torch.tensor([[1.5], [-2.0]])
 
 
-def train_step(
-    log_probs, mask=MASK, advantages=ADVANTAGES, loss_type="reinforce_with_baseline", **kwargs
+def microbatch_loss(
+    log_probs,
+    mask=MASK,
+    advantages=ADVANTAGES,
+    loss_type="reinforce_with_baseline",
+    loss_aggregation="sequence_mean",
+    n_sequences=2,
+    n_tokens=11,
+    old_log_probs=None,
+    cliprange=0.2,
+    ref_log_probs=None,
+    beta=0.0,
+    engine_log_probs=None,
+    is_cap=None,
 ):
-    """One microbatch step from leaf log-probs; returns (loss, gradient wrt the log-probs,
-    metadata)."""
+    """One microbatch's loss from leaf log-probs, put together as grpo_update does it (the
+    policy-gradient loss, the IS weight, the k3 KL, the aggregation), backward included: (loss,
+    gradient wrt the log-probs, per-token metadata). By default the whole batch of MASK."""
     log_probs = log_probs.clone().requires_grad_(True)
-    kwargs.setdefault("normalize_constant", 8)
-    loss, meta = grpo_microbatch_train_step(
-        log_probs, mask, 1, loss_type, advantages=advantages, **kwargs
+    old = log_probs.detach() if old_log_probs is None else old_log_probs
+    per_token, meta = compute_policy_gradient_loss(
+        log_probs, loss_type, None, advantages, old, cliprange, mask
     )
-    return loss, log_probs.grad, meta
+    if engine_log_probs is not None:
+        meta["engine_gap"] = (old - engine_log_probs).abs()
+    if is_cap is not None:
+        weights, meta["above_is_cap"] = grpo.engine_importance_weights(
+            old, engine_log_probs, is_cap
+        )
+        per_token = per_token * weights
+    if beta > 0:
+        meta["kl"] = compute_k3_kl(log_probs, ref_log_probs).detach()
+        per_token = per_token + beta * compute_k3_kl(log_probs, ref_log_probs)
+    loss = aggregate_loss(per_token, mask, loss_aggregation, n_sequences, n_tokens, 8)
+    loss.backward()
+    return loss.detach(), log_probs.grad, meta
 
 
 @pytest.mark.parametrize("aggregation", list(WEIGHTS))
 def test_aggregation_weights_match_the_docstring_table(aggregation):
     torch.manual_seed(0)
     log_probs = -torch.rand(2, 9)
-    loss, grad, _ = train_step(log_probs, loss_aggregation=aggregation)
+    loss, grad, _ = microbatch_loss(log_probs, loss_aggregation=aggregation)
     # loss = sum_it w_it (-A_i log p_it), so d loss / d log p_it = -A_i w_it, and 0 on padding.
     assert torch.allclose(grad, -ADVANTAGES * WEIGHTS[aggregation])
     assert loss.item() == pytest.approx(
@@ -302,9 +340,10 @@ def test_aggregation_weights_match_the_docstring_table(aggregation):
     )
 
 
-def test_sequence_mean_default_is_cs336():
-    # With no batch counts given, sequence_mean is CS336's masked_mean(loss, mask, dim=-1).mean() /
-    # gas: each row's mean over its response tokens, then the mean over rows.
+def test_grpo_microbatch_train_step_is_cs336s_and_the_updates_sequence_mean():
+    # CS336's step: masked_mean(loss, mask, dim=-1).mean() / gradient_accumulation_steps, each
+    # row's mean over its response tokens, then the mean over rows. It is the update's
+    # sequence_mean over a minibatch of 4 microbatches of these 2 rows: N = 2 x 4.
     torch.manual_seed(0)
     log_probs = -torch.rand(2, 9)
     log_probs_leaf = log_probs.clone().requires_grad_(True)
@@ -313,6 +352,8 @@ def test_sequence_mean_default_is_cs336():
     )
     expected = ((-ADVANTAGES * log_probs * MASK).sum(-1) / MASK.sum(-1)).mean() / 4
     assert loss.item() == pytest.approx(expected.item())
+    _, grad, _ = microbatch_loss(log_probs, n_sequences=8)
+    assert torch.allclose(log_probs_leaf.grad, grad)
 
 
 @pytest.mark.parametrize("aggregation", list(WEIGHTS))
@@ -321,16 +362,16 @@ def test_microbatches_accumulate_to_the_batch_gradient(aggregation):
     # lengths) given the batch's counts: the same accumulated gradient.
     torch.manual_seed(0)
     log_probs = -torch.rand(2, 9)
-    _, whole, _ = train_step(log_probs, loss_aggregation=aggregation)
+    _, whole, _ = microbatch_loss(log_probs, loss_aggregation=aggregation)
     parts = []
     for i in range(2):
-        _, grad, _ = train_step(
+        _, grad, _ = microbatch_loss(
             log_probs[i : i + 1],
             MASK[i : i + 1],
             ADVANTAGES[i : i + 1],
             loss_aggregation=aggregation,
-            n_batch_sequences=2,
-            n_batch_tokens=11,
+            n_sequences=2,
+            n_tokens=11,
         )
         parts.append(grad)
     assert torch.allclose(torch.cat(parts), whole)
@@ -341,24 +382,18 @@ def test_microbatches_accumulate_to_the_batch_gradient(aggregation):
 def test_padding_changes_neither_loss_nor_gradient(aggregation, loss_type):
     torch.manual_seed(0)
     log_probs, old = -torch.rand(2, 9), -torch.rand(2, 9)
-    kwargs = {
-        "loss_type": loss_type,
-        "loss_aggregation": aggregation,
-        "old_log_probs": old,
-        "cliprange": 0.2,
-    }
-    loss, grad, _ = train_step(log_probs, **kwargs)
+    kwargs = {"loss_type": loss_type, "loss_aggregation": aggregation, "old_log_probs": old}
+    loss, grad, _ = microbatch_loss(log_probs, **kwargs)
     # Three more positions, masked out, with arbitrary (finite) values in every input.
     pad = torch.tensor([[-50.0, 3.0, -0.1], [7.0, -9.0, 0.0]])
     padded_mask = torch.cat([MASK, torch.zeros(2, 3, dtype=torch.bool)], dim=1)
     kwargs["old_log_probs"] = torch.cat([old, pad.flip(0)], dim=1)
-    padded_loss, padded_grad, _ = train_step(
+    padded_loss, padded_grad, _ = microbatch_loss(
         torch.cat([log_probs, pad], dim=1), padded_mask, **kwargs
     )
     assert padded_loss.item() == pytest.approx(loss.item(), abs=1e-7)
-    assert torch.allclose(padded_grad[:, :9], grad) and torch.equal(
-        padded_grad[:, 9:], torch.zeros(2, 3)
-    )
+    assert torch.allclose(padded_grad[:, :9], grad)
+    assert torch.equal(padded_grad[:, 9:], torch.zeros(2, 3))
 
 
 @pytest.mark.parametrize("aggregation", list(WEIGHTS))
@@ -367,54 +402,48 @@ def test_on_policy_clipped_loss_has_the_reinforce_gradient(aggregation):
     # A)/d log p = A r = A: the same gradient as -A log p, and a clip fraction of 0.
     torch.manual_seed(0)
     log_probs = -torch.rand(2, 9)
-    _, reinforce, _ = train_step(log_probs, loss_aggregation=aggregation)
-    _, clipped, meta = train_step(
+    _, reinforce, _ = microbatch_loss(log_probs, loss_aggregation=aggregation)
+    _, clipped, meta = microbatch_loss(
         log_probs,
         loss_type="grpo_clip",
         old_log_probs=log_probs.clone(),
-        cliprange=0.2,
         loss_aggregation=aggregation,
     )
     assert torch.allclose(clipped, reinforce, atol=1e-7)
     assert not meta["clipped"].any()
 
 
-def test_kl_penalty_in_the_step():
+def test_kl_penalty_in_the_loss():
     torch.manual_seed(0)
     log_probs, ref = -torch.rand(2, 9), -torch.rand(2, 9)
-    base_loss, base_grad, _ = train_step(log_probs, loss_aggregation="token_mean")
+    base_loss, base_grad, _ = microbatch_loss(log_probs, loss_aggregation="token_mean")
     # ref == policy: k3 = 0 and its gradient 1 - e^0 = 0, so nothing changes.
-    loss, grad, meta = train_step(
+    loss, grad, meta = microbatch_loss(
         log_probs, loss_aggregation="token_mean", ref_log_probs=log_probs.clone(), beta=0.1
     )
     assert loss.item() == pytest.approx(base_loss.item()) and torch.allclose(grad, base_grad)
     assert torch.equal(meta["kl"], torch.zeros(2, 9))
-    # Otherwise the loss grows by beta * (token mean of k3), and d k3 / d log p = 1 - exp(ref - log
-    # p).
-    loss, grad, meta = train_step(
+    # Otherwise the loss grows by beta * (token mean of k3), and d k3 / d log p = 1 - exp(ref -
+    # log p).
+    loss, grad, meta = microbatch_loss(
         log_probs, loss_aggregation="token_mean", ref_log_probs=ref, beta=0.1
     )
     kl = compute_k3_kl(log_probs, ref)
     assert loss.item() == pytest.approx(base_loss.item() + 0.1 * (kl * MASK).sum().item() / 11)
     assert torch.allclose(grad, base_grad + 0.1 * (1 - torch.exp(ref - log_probs)) * MASK / 11)
-    with pytest.raises(ValueError, match="ref_log_probs"):
-        train_step(log_probs, beta=0.1)
 
 
-def test_is_correction_in_the_step_by_hand():
-    # token_mean, -A log p: d loss / d log p_it = -A_i v_it / 11, v the capped weight; the KL term
-    # is not weighted.
+def test_is_correction_by_hand():
+    # token_mean, -A log p: d loss / d log p_it = -A_i v_it / 11, v the capped weight min(p_old /
+    # p_engine, 2); the KL term is not weighted.
     torch.manual_seed(0)
     log_probs = -torch.rand(2, 9)
     engine = log_probs.clone()
-    # v = 1.5, 2 (cap)
-    engine[0, 1], engine[1, 0] = log_probs[0, 1] - math.log(1.5), log_probs[1, 0] - math.log(5.0)
-    kwargs = {
-        "loss_aggregation": "token_mean",
-        "old_log_probs": log_probs.clone(),
-        "engine_log_probs": engine,
-    }
-    _, grad, meta = train_step(log_probs, is_cap=2.0, **kwargs)
+    # v = 1.5, 2 (the cap; the ratio is 5)
+    engine[0, 1] = log_probs[0, 1] - math.log(1.5)
+    engine[1, 0] = log_probs[1, 0] - math.log(5.0)
+    kwargs = {"loss_aggregation": "token_mean", "engine_log_probs": engine}
+    _, grad, meta = microbatch_loss(log_probs, is_cap=2.0, **kwargs)
     v = torch.ones(2, 9)
     v[0, 1], v[1, 0] = 1.5, 2.0
     assert torch.allclose(grad, -ADVANTAGES * v * MASK / 11)
@@ -422,16 +451,14 @@ def test_is_correction_in_the_step_by_hand():
     assert meta["above_is_cap"].sum() == 1 and meta["above_is_cap"][1, 0]
     # ...and the gap is |log 5|
     assert meta["engine_gap"][1, 0].item() == pytest.approx(math.log(5.0), rel=1e-5)
-    # Off (is_cap None): the same gradient as without engine log-probs, but the gap is still logged.
-    _, grad_off, meta_off = train_step(log_probs, **kwargs)
-    _, grad_none, _ = train_step(log_probs, loss_aggregation="token_mean")
-    assert (
-        torch.equal(grad_off, grad_none)
-        and "above_is_cap" not in meta_off
-        and "engine_gap" in meta_off
-    )
-    with pytest.raises(ValueError, match="old_log_probs"):
-        train_step(log_probs, engine_log_probs=engine, is_cap=2.0)
+    # the weights carry no gradient of their own
+    weights, _ = grpo.engine_importance_weights(log_probs.requires_grad_(True), engine, 2.0)
+    assert not weights.requires_grad
+    # Off (no cap): the same gradient as without engine log-probs, the gap still measured.
+    _, grad_off, meta_off = microbatch_loss(log_probs.detach(), **kwargs)
+    _, grad_none, _ = microbatch_loss(log_probs.detach(), loss_aggregation="token_mean")
+    assert torch.equal(grad_off, grad_none)
+    assert "above_is_cap" not in meta_off and "engine_gap" in meta_off
 
 
 def test_groups_with_signal():
@@ -444,53 +471,127 @@ def test_groups_with_signal():
         assert groups_with_signal(rewards, 2, loss_type).tolist() == [False, False, True]
 
 
-def test_cosine_schedule_reaches_zero_when_updates_are_skipped():
-    # 4 GRPO steps of 2 optimizer steps; step 2 trains nothing (no group with signal). The schedule
-    # follows GRPO steps: at the end the learning rate is 0, and step 3 starts where an
-    # uninterrupted schedule would.
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = transformers.get_scheduler("cosine", optimizer, 0, 8)  # as grpo.main makes it
-    lrs = []
-    for step in range(4):
-        for _ in range(0 if step == 1 else 2):
-            lrs.append(scheduler.get_last_lr()[0])
+def test_responses_to_train():
+    # Groups of 2: mixed, all equal, mixed, mixed. At most 2 groups: the first two with a signal
+    # (groups 0 and 2); response 1 was cut off at --max-tokens.
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    truncated = [False, True] + [False] * 6
+    args = Args(group_size=2)
+    assert grpo.responses_to_train(rewards, truncated, 2, args) == [0, 1, 4, 5]
+    assert grpo.responses_to_train(rewards, truncated, 4, args) == [0, 1, 4, 5, 6, 7]
+    masked = Args(group_size=2, mask_truncated=True)
+    assert grpo.responses_to_train(rewards, truncated, 2, masked) == [0, 4, 5]
+    every_group = Args(group_size=2, drop_zero_variance_groups=False)
+    assert grpo.responses_to_train(rewards, truncated, 2, every_group) == list(range(8))
+
+
+def test_learning_rate_is_huggingfaces_schedule_in_optimizer_steps():
+    # get_lr(k) is the learning rate Hugging Face's LambdaLR gave after k scheduler steps (the
+    # schedules grpo.py used), bit for bit: warmup 3, then cosine or constant, 10 steps.
+    for schedule, name in [("cosine", "cosine"), ("constant", "constant_with_warmup")]:
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-4)
+        scheduler = transformers.get_scheduler(name, optimizer, 3, 10)
+        for k in range(10):
+            assert grpo.get_lr(k, 1e-4, 3, 10, schedule) == scheduler.get_last_lr()[0], (name, k)
+            optimizer.step()
             scheduler.step()
-        grpo.catch_up_scheduler(scheduler, step + 1, 2)
+
+
+def test_cosine_schedule_follows_grpo_steps_when_updates_are_skipped():
+    # 4 GRPO steps of 2 optimizer steps; step 2 trains nothing (no group with signal). The
+    # schedule counts the updates a step plans, taken or not: step 3 starts where an uninterrupted
+    # schedule would, and the last update's learning rate is the cosine's last.
+    lrs = [grpo.get_lr(step * 2 + i, 1.0, 0, 8, "cosine") for step in (0, 2, 3) for i in range(2)]
     expected = [0.5 * (1 + math.cos(math.pi * k / 8)) for k in (0, 1, 4, 5, 6, 7)]
-    assert lrs == pytest.approx(expected) and scheduler.get_last_lr()[0] == pytest.approx(
-        0, abs=1e-12
-    )
+    assert lrs == pytest.approx(expected)
+    assert grpo.get_lr(8, 1.0, 0, 8, "cosine") == pytest.approx(0, abs=1e-12)
 
 
-def test_step_metrics_by_hand():
-    # step_metrics divides the update's per-token sums by the token count: entropy 14 over 6 tokens,
-    # no token clipped; 2 updates.
-    sums = {
-        "loss": 0.5,
-        "grad_norm": 3.0,
-        "updates": 2,
-        "positions": 12,
-        "entropy": 14.0,
-        "clipped": 0.0,
-        "tokens": 6.0,
-        "ratio": 6.0,
-    }
+def test_rollout_metrics_by_hand():
+    # Two responses of 3 and 5 tokens, the second cut off: mean length 4, truncation 0.5; rewards 1
+    # and 0 (one group of 2: its std is not 0).
     completions = [
         SimpleNamespace(token_ids=[1] * n, finish_reason=r) for n, r in ((3, "stop"), (5, "length"))
     ]
-    extra = {"time/generate": 2.0, "time/train": 4.0}
-    m = grpo.step_metrics(
-        {"reward_mean": 0.5}, completions, 2, sums, extra, grpo.Args(epochs_per_rollout_batch=1)
+    scores = [{"reward": 1.0, "format_reward": 1.0}, {"reward": 0.0, "format_reward": 0.0}]
+    m = grpo.rollout_metrics(scores, torch.tensor([1.0, 0.0]), completions, 2)
+    assert (m["rollout/response_length"], m["rollout/response_length_max"]) == (4, 5)
+    assert m["rollout/truncation_rate"] == 0.5 and m["rollout/reward_mean"] == 0.5
+    assert m["rollout/frac_zero_std_groups"] == 0 and m["rollout/format_reward_mean"] == 0.5
+    assert "rollout/answer_reward_mean" not in m  # not in every score
+
+
+def rollout_batch(n: int, seed: int = 0) -> tuple[dict, list[int]]:
+    """n responses of different lengths to random prompts, with engine log-probs, advantages and
+    rewards, as grpo.main collates them (collate_rollouts)."""
+    g = torch.Generator().manual_seed(seed)
+    size = lambda low, high: int(torch.randint(low, high, (1,), generator=g))
+    prompts = [torch.randint(3, 300, (size(4, 9),), generator=g).tolist() for _ in range(n)]
+    outputs = [torch.randint(3, 300, (size(2, 12),), generator=g).tolist() for _ in range(n)]
+    batch = collate_token_ids(prompts, outputs, 0)
+    # some above the IS cap
+    batch["engine_log_probs"] = -5 - torch.rand(batch["response_mask"].shape, generator=g)
+    batch["advantages"] = torch.randn(n, 1, generator=g)
+    batch["raw_rewards"] = torch.rand(n, 1, generator=g)
+    return batch, [len(p) + len(o) - 1 for p, o in zip(prompts, outputs, strict=True)]
+
+
+def test_the_update_steps_by_the_gradient_of_its_loss_on_the_whole_batch(tiny_model_dir):
+    # One minibatch of 8 in microbatches of 3, token_mean, a KL reference (another model) and the
+    # IS correction, SGD at lr 1 without clipping: the update moves the weights by minus the
+    # gradient of the loss written out on the whole batch at once, and logs its token means.
+    args = Args(
+        rollout_batch_size=8,
+        group_size=2,
+        train_batch_size=8,
+        microbatch_size=3,
+        beta=0.1,
+        max_grad_norm=1e9,
     )
-    assert m["train/entropy"] == pytest.approx(14 / 6) and m["train/clip_fraction"] == 0.0
-    assert (m["train/loss"], m["train/grad_norm"], m["train/n_updates"]) == (0.25, 1.5, 2)
-    assert (
-        m["rollout/response_length"],
-        m["rollout/truncation_rate"],
-        m["rollout/tokens_per_second"],
-    ) == (4, 0.5, 4)
-    # 12 positions / 4 s
-    assert m["train/tokens_per_second"] == 3.0 and m["rollout/reward_mean"] == 0.5
+    batch, lengths = rollout_batch(8)
+    reference = grpo.load_frozen_model(str(tiny_model_dir), "cpu")
+    with torch.no_grad():
+        reference.model.norm.weight.mul_(1.5)
+    policy, autocast = grpo.load_policy(str(tiny_model_dir), "cpu", False, 0)
+    start = {k: v.clone() for k, v in policy.state_dict().items()}
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    metrics, n_bad = grpo.grpo_update(
+        policy, optimizer, batch, lengths, [1.0], reference, args, 0, autocast, 0
+    )
+    assert metrics["train/n_updates"] == 1 and n_bad == 0
+
+    expected_policy, _ = grpo.load_policy(str(tiny_model_dir), "cpu", False, 0)
+    mask = batch["response_mask"]
+    log_probs = grpo.get_response_log_probs(
+        expected_policy, batch["input_ids"], batch["labels"], True
+    )
+    with torch.no_grad():
+        ref = grpo.get_response_log_probs(reference, batch["input_ids"], batch["labels"])
+    lp = log_probs["log_probs"]
+    old = lp.detach()
+    per_token, clip_meta = compute_grpo_clip_loss(batch["advantages"], lp, old, 0.2)
+    weights, above_cap = grpo.engine_importance_weights(old, batch["engine_log_probs"], 2.0)
+    kl = compute_k3_kl(lp, ref["log_probs"])
+    loss = ((per_token * weights + 0.1 * kl) * mask).sum() / mask.sum()
+    loss.backward()
+    moved = {k: start[k] - v for k, v in policy.state_dict().items()}
+    for name, p in expected_policy.named_parameters():
+        assert torch.allclose(moved[name], p.grad, atol=1e-6), name
+    n_tokens = mask.sum().item()
+    assert metrics["train/loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert metrics["train/kl"] == pytest.approx((kl * mask).sum().item() / n_tokens, rel=1e-4)
+    assert metrics["train/kl"] > 0
+    above = (above_cap * mask).sum().item() / n_tokens
+    assert metrics["train/frac_above_is_cap"] == pytest.approx(above)
+    entropy = (log_probs["token_entropy"] * mask).sum().item() / n_tokens
+    assert metrics["train/entropy"] == pytest.approx(entropy, rel=1e-5)
+    assert metrics["train/clip_fraction"] == 0  # on-policy: ratio 1
+    gap = ((old - batch["engine_log_probs"]).abs() * mask).sum().item() / n_tokens
+    assert metrics["train/engine_logprob_gap"] == pytest.approx(gap, rel=1e-5)
+    assert metrics["train/grad_norm"] == pytest.approx(
+        torch.cat([p.grad.reshape(-1) for p in expected_policy.parameters()]).norm().item(),
+        rel=1e-4,
+    )
 
 
 def test_chunked_entropy_and_log_probs_at_temperature_one():
@@ -507,9 +608,9 @@ def test_chunked_entropy_and_log_probs_at_temperature_one():
 
 def test_unknown_aggregation_and_missing_constant():
     with pytest.raises(ValueError, match="unknown loss_aggregation"):
-        train_step(torch.zeros(2, 9), loss_aggregation="sum")
+        microbatch_loss(torch.zeros(2, 9), loss_aggregation="sum")
     with pytest.raises(ValueError, match="normalize_constant"):
-        train_step(torch.zeros(2, 9), loss_aggregation="constant", normalize_constant=None)
+        aggregate_loss(torch.zeros(2, 9), MASK, "constant", 2, 11, None)
 
 
 # --- rollout helpers ---
@@ -814,12 +915,13 @@ def test_engine_weights_change_and_follow_the_policy_every_step(
 
 
 @pytest.mark.usefixtures("small_train_split")
-def test_cosine_learning_rate_reaches_zero_when_no_step_trains(
+def test_cosine_learning_rate_follows_the_steps_when_no_step_trains(
     tiny_model_dir, tmp_path, monkeypatch, capsys
 ):
     # Every response scores 0: every group is dropped and no optimizer step is taken; the schedule
-    # still follows the GRPO steps, or the learning rate would never reach 0. Nothing changed, so
-    # the engine is not reloaded.
+    # still follows the GRPO steps (train/lr: the lr of the step's last update, 1 a step here, of
+    # 2: 1e-2, then 0.5e-2), or the learning rate would never reach 0. Nothing changed, so the
+    # engine is not reloaded.
     monkeypatch.setattr(
         grpo.verifiers, "score", lambda response, example: {"reward": 0.0, "format_reward": 0.0}
     )
@@ -834,7 +936,7 @@ def test_cosine_learning_rate_reaches_zero_when_no_step_trains(
     assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
     steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["step"] > 0]
     assert [m["train/n_updates"] for m in steps] == [0, 0]
-    assert [m["train/lr"] for m in steps] == pytest.approx([0.5e-2, 0.0], abs=1e-12)
+    assert [m["train/lr"] for m in steps] == pytest.approx([1e-2, 0.5e-2], abs=1e-12)
     # only the start's reload
     assert len(loads) == 1 and [m["reload/logprob_gap"] for m in steps] == [None, None]
     assert capsys.readouterr().out.count("nothing trained: no group with a reward signal") == 2
@@ -983,11 +1085,10 @@ def test_checkpoints_beyond_the_newest_are_deleted_and_resume_uses_the_newest(
     policy = grpo.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tokenizer = grpo.AutoTokenizer.from_pretrained(tiny_model_dir)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    scheduler = transformers.get_constant_schedule_with_warmup(optimizer, 0)
     for step in range(1, 5):
         policy(torch.tensor([[1, 2, 3]])).logits.sum().backward()
         optimizer.step()
-        grpo.save_checkpoint(tmp_path, step, policy, tokenizer, optimizer, scheduler, keep=2)
+        grpo.save_checkpoint(tmp_path, step, policy, tokenizer, optimizer, 2 * step, keep=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "step_000003",
         "step_000004",
@@ -996,14 +1097,11 @@ def test_checkpoints_beyond_the_newest_are_deleted_and_resume_uses_the_newest(
     (tmp_path / "checkpoints" / "step_000005.tmp").mkdir()
     assert [p.name for p in grpo.checkpoints(tmp_path)] == ["step_000003", "step_000004"]
     fresh = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    assert (
-        grpo.resume_from(tmp_path, fresh, transformers.get_constant_schedule_with_warmup(fresh, 0))
-        == 4
-    )
+    assert grpo.resume_from(tmp_path, fresh) == {"step": 4, "n_updates": 8}
     # the optimizer state of the newest checkpoint
     assert fresh.state_dict()["state"][0]["step"].item() == 4
     # 0: keep them all
-    grpo.save_checkpoint(tmp_path, 5, policy, tokenizer, optimizer, scheduler, keep=0)
+    grpo.save_checkpoint(tmp_path, 5, policy, tokenizer, optimizer, 10, keep=0)
     assert len(grpo.checkpoints(tmp_path)) == 3
 
 

@@ -81,7 +81,8 @@ def test_grpo_raises_the_reward_by_several_times_the_seed_spread(flawed_sft_chec
                 train_batch_size=64,
                 microbatch_size=64,
                 lr=1e-4,
-                warmup_steps=2,
+                # 2 GRPO steps of 2 optimizer steps (128 responses, 64 an update)
+                warmup_steps=4,
                 max_tokens=64,
                 eval_every=10,
                 n_eval=256,
