@@ -3,34 +3,27 @@
     python ladder.py              # about 11 minutes on 2 CPU cores; no GPU, no internet
     python ladder.py --seed 2     # the README's table has seeds 1, 2 and 3
 
-It runs the project's own scripts, each as a subprocess with the command line it prints first (copy
-one to rerun a stage alone), all inside one run folder, runs/ladder__<seed>__<unix time>/:
+It runs the project's own scripts, each as a subprocess with the command line it prints first (copy one to rerun a
+stage alone), all inside one run folder, runs/ladder__<seed>__<unix time>/:
 
-  1. tiny_model.py    a 4-layer Qwen3 (0.9M parameters) with random weights, and a tokenizer trained
-  here
-     teacher traces   the synthetic train problems worked by a flawed teacher (data.flawed_teacher):
-     it forgets
-                      to carry 70% of the time (17 + 5 = 12), so about half of its traces end in a
-                      wrong answer
-  2. sft.py           fine-tune the tiny model on those traces: it learns the arithmetic, and the
-  flaw with it
-  3. expert_iter.py   from the sft checkpoint: sample, keep what the verifier accepts, fine-tune,
-  repeat
+  1. tiny_model.py    a 4-layer Qwen3 (0.85M parameters) with random weights, and a tokenizer trained here
+     teacher traces   the synthetic train problems worked by a flawed teacher (data.flawed_teacher): it forgets
+                      to carry 70% of the time (17 + 5 = 12), so about half of its traces end in a wrong answer
+  2. sft.py           fine-tune the tiny model on those traces: it learns the arithmetic, and the flaw with it
+  3. expert_iter.py   from the sft checkpoint: sample, keep what the verifier accepts, fine-tune, repeat
   4. grpo.py          from the sft checkpoint: GRPO on the verifier's reward
   5. eval.py          every model above (the random one too) on the held-out synthetic test split
 
-Expert iteration and GRPO never see the teacher: they learn from the verifier, which knows the gold
-answers, and so can unlearn the teacher's flaw. The ladder ends with a table (accuracy of each
-stage, the share of carries it gets right, its wall time), ladder.json, and ladder.png: eval
-accuracy and rollout reward against step per stage. The stage settings below are the whole recipe;
-docs/ladder.md explains why each is what it is. A ladder that dies can be continued: `python
-ladder.py --resume runs/ladder__1__...` skips the stages that finished (each writes its result to
-ladder.json as it ends).
+Expert iteration and GRPO never see the teacher: they learn from the verifier, which knows the gold answers, and
+so can unlearn the teacher's flaw. The ladder ends with a table (accuracy of each stage, the share of carries it
+gets right, its wall time), ladder.json, and ladder.png: eval accuracy and rollout reward against step per stage.
+The stage settings below are the whole recipe; docs/ladder.md explains why each is what it is. A ladder that dies can
+be continued: `python ladder.py --resume runs/ladder__1__...` skips the stages that finished (each writes its result
+to ladder.json as it ends).
 
-Every stage runs with torch and oneDNN held to AVX2 code (ATEN_CPU_CAPABILITY=avx2
-ONEDNN_MAX_CPU_ISA=AVX2, printed in front of each command), so that an AVX-512 machine computes what
-an AVX2 one does and the README's numbers reproduce on either; `--no-pin-isa` lets them use the
-machine's widest instructions (docs/ladder.md, "Reproducibility").
+Every stage runs with torch and oneDNN held to AVX2 code (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, printed in
+front of each command), so that an AVX-512 machine computes what an AVX2 one does and the README's numbers reproduce
+on either; `--no-pin-isa` lets them use the machine's widest instructions (docs/ladder.md, "Reproducibility").
 """
 
 import json

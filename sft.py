@@ -1,23 +1,30 @@
-"""Supervised fine-tuning (SFT) on reasoning traces, evaluated by a vLLM engine that reloads the
-trainer's weights.
+"""Supervised fine-tuning (SFT) on reasoning traces, evaluated by a vLLM engine that reloads
+the trainer's weights.
 
-SFT is maximum likelihood on (prompt, response) pairs: minimise the negative log-probability of each
-response token (its EOS included) given the prompt and the tokens before it. On worked solutions (a
-dataset's, or a stronger model's traces) a base model learns the answer format and a way of
-reasoning; expert_iter.py and grpo.py start from the result.
+SFT is maximum likelihood on (prompt, response) pairs: minimise the negative log-probability of
+each response token (its EOS included) given the prompt and the tokens before it. On worked
+solutions (a dataset's, or a stronger model's traces) a base model learns the answer format and a
+way of reasoning; expert_iter.py and grpo.py start from the result.
 
-Deliberate simplifications: (1) more GPUs means data parallel (torchrun: each rank a whole model, an
-engine and a share of each batch): a 1.7B model in fp32 with AdamW fits one 80 GB GPU; (2) every
-optimizer step sees exactly `batch_size` examples (an epoch's last partial batch is dropped); (3)
-the loss is the mean NLL over a batch's response tokens, however microbatched or padded; (4) a
-mixture (--dataset gsm8k:0.5,math:0.5) is mixed once, before training.
+Deliberate simplifications:
+  1. More GPUs means data parallel (torchrun): each rank a whole model, an engine and a share of
+     each batch. A 1.7B model in fp32 with AdamW fits one 80 GB GPU.
+  2. Every optimizer step sees exactly `batch_size` examples: an epoch's last partial batch is
+     dropped.
+  3. The loss is the mean NLL per response token of a batch, however microbatched or padded.
+  4. A mixture (--dataset gsm8k:0.5,math:0.5) is mixed once, before training.
 
 Usage:
-    python sft.py --model Qwen/Qwen3-1.7B-Base                     # GSM8K solutions, R1-Zero template, 2 GPUs
-    torchrun --nproc-per-node 4 sft.py                             # 8 GPUs: 4 ranks of 2 (docs/distributed.md)
-    python sft.py --model runs/tiny-qwen3 --dataset synthetic --batch-size 16 --lr 1e-3   # CPU, tiny model
-    python sft.py --sft-file traces.jsonl --dataset gsm8k          # your own {"prompt", "response"} pairs
-    python sft.py --dataset gsm8k:0.5,math:0.25,mbpp:0.25 --data-dir ../shared/data   # a mixture: docs/tasks.md
+    # GSM8K solutions, R1-Zero template, 2 GPUs
+    python sft.py --model Qwen/Qwen3-1.7B-Base
+    # 8 GPUs: 4 ranks of 2 (docs/distributed.md)
+    torchrun --nproc-per-node 4 sft.py
+    # CPU, a tiny model (python tiny_model.py --out runs/tiny-qwen3)
+    python sft.py --model runs/tiny-qwen3 --dataset synthetic --batch-size 16 --lr 1e-3
+    # your own {"prompt", "response"} pairs
+    python sft.py --sft-file traces.jsonl --dataset gsm8k
+    # a mixture of tasks (docs/tasks.md)
+    python sft.py --dataset gsm8k:0.5,math:0.25,mbpp:0.25 --data-dir ../shared/data
 """
 
 import contextlib
@@ -48,60 +55,82 @@ import verifiers
 @dataclass
 class Args:
     # --- run ---
-    # runs/<exp_name>__<seed>__<unix time>
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    seed: int = 1  # seed for the data order, the weights' dropout (none in Qwen3) and the engine
-    output_dir: str = "runs"  # where run folders are made
-    resume: str | None = None  # a run folder to continue from its last checkpoint
-    track: bool = False  # also log to Weights & Biases (pip install wandb)
-    wandb_project: str = "rlvr-sft"  # the W&B project, with --track
+    """runs/<exp_name>__<seed>__<unix time>"""
+    seed: int = 1
+    """seed for the data order, the weights' dropout (none in Qwen3) and the engine"""
+    output_dir: str = "runs"
+    """where run folders are made"""
+    resume: str | None = None
+    """a run folder to continue from its last checkpoint"""
+    track: bool = False
+    """also log to Weights & Biases (pip install wandb)"""
+    wandb_project: str = "rlvr-sft"
+    """the W&B project, with --track"""
     # --- model ---
-    # Hugging Face model name or local model folder to fine-tune
     model: str = "Qwen/Qwen3-1.7B-Base"
-    # device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)
+    """Hugging Face model name or local model folder to fine-tune"""
     policy_device: str | None = None
-    # device of the vLLM engine; None: this rank's second GPU, else the trainer's
+    """device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)"""
     vllm_device: str | None = None
-    # the engine's share of its GPU; None: 0.85 alone, 0.3 shared
+    """device of the vLLM engine; None: this rank's second GPU, else the trainer's"""
     vllm_gpu_memory_utilization: float | None = None
-    # recompute activations in the backward pass: less memory, about 30% more time
+    """the engine's share of its GPU; None: 0.85 alone, 0.3 shared"""
     gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, about 30% more time"""
     # --- data ---
-    dataset: str = "gsm8k"  # gsm8k | math | mbpp | synthetic, or a mixture: gsm8k:0.5,math:0.5
-    data_dir: str | None = None  # data root, one folder per dataset (../shared/data); None: the hub
-    # JSONL of {"prompt", "response"} pairs to train on instead of solutions
+    dataset: str = "gsm8k"
+    """gsm8k | math | mbpp | synthetic, or a mixture: gsm8k:0.5,math:0.5"""
+    data_dir: str | None = None
+    """data root, one folder per dataset (../shared/data); None: the hub"""
     sft_file: str | None = None
-    template: str = "r1_zero"  # r1_zero | question | chat (data.py)
-    # e.g. ifeval=question: another template for a dataset
+    """JSONL of {"prompt", "response"} pairs to train on instead of solutions"""
+    template: str = "r1_zero"
+    """r1_zero | question | chat (data.py)"""
     dataset_templates: list[str] = field(default_factory=list)
-    # train on the first n examples (of a mixture, n in all); None: all
+    """e.g. ifeval=question: another template for a dataset"""
     n_examples: int | None = None
-    # keep only training responses whose final answer the verifier accepts
+    """train on the first n examples (of a mixture, n in all); None: all"""
     filter_correct: bool = False
-    # longest prompt + response in tokens; longer examples are cut at the end (and counted)
+    """keep only training responses whose final answer the verifier accepts"""
     max_seq_len: int = 1024
+    """longest prompt + response in tokens; longer examples are cut at the end (and counted)"""
     # --- optim ---
-    lr: float = 2e-5  # peak learning rate of AdamW
-    weight_decay: float = 0.0  # AdamW weight decay
-    warmup_ratio: float = 0.03  # share of the steps warming up, before the cosine decay
-    n_epochs: int = 1  # passes over the training examples
-    batch_size: int = 32  # examples per optimizer step
-    microbatch_size: int = 2  # examples per forward/backward pass (gradients accumulate)
-    max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this
+    lr: float = 2e-5
+    """peak learning rate of AdamW"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    warmup_ratio: float = 0.03
+    """share of the steps warming up, before the cosine decay"""
+    n_epochs: int = 1
+    """passes over the training examples"""
+    batch_size: int = 32
+    """examples per optimizer step"""
+    microbatch_size: int = 2
+    """examples per forward/backward pass (gradients accumulate)"""
+    max_grad_norm: float = 1.0
+    """clip the gradient's global L2 norm to this"""
     # --- eval ---
-    eval_split: str = "val"  # val (or test where there is none) | test
-    n_eval: int = 256  # problems evaluated per dataset, greedy, from the start of its eval split
-    eval_every: int = 50  # evaluate every this many optimizer steps (and at the start and the end)
-    # train on while the engine evaluates; None: when it has its own device
+    eval_split: str = "val"
+    """val (or test where there is none) | test"""
+    n_eval: int = 256
+    """problems evaluated per dataset, greedy, from the start of its eval split"""
+    eval_every: int = 50
+    """evaluate every this many optimizer steps (and at the start and the end)"""
     eval_in_background: bool | None = None
-    eval_max_tokens: int = 512  # max new tokens per evaluation response
-    n_log_generations: int = 4  # evaluation responses to generations.jsonl
-    save_every: int = 100  # checkpoint every this many optimizer steps (and at the end)
-    # keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all
+    """train on while the engine evaluates; None: when it has its own device"""
+    eval_max_tokens: int = 512
+    """max new tokens per evaluation response"""
+    n_log_generations: int = 4
+    """evaluation responses to generations.jsonl"""
+    save_every: int = 100
+    """checkpoint every this many optimizer steps (and at the end)"""
     keep_checkpoints: int = 2
-    reload_tol: float | None = None  # max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16
-    # under torchrun: how long a rank waits for the others before naming them and stopping
+    """keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all"""
+    reload_tol: float | None = None
+    """max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16"""
     rank_timeout_s: float = 1800
+    """under torchrun: how long a rank waits for the others before naming them and stopping"""
 
 
 # --- ALGORITHM, CS336 vocabulary: tokens and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---

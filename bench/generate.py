@@ -1,20 +1,19 @@
-"""Generation: tokens/s of a vLLM engine started as grpo.py's against transformers' generate, same
-model, prompts and sampling.
+"""Generation: tokens/s of a vLLM engine started as grpo.py's against transformers' generate, same model, prompts and
+sampling.
 
-The reason the project samples with vLLM. Both sides get the synthetic task's prompts (template
-"question"), group size 8 (vLLM: n=8 with a prefix cache; transformers: num_return_sequences=8),
-temperature 1, top-p 1, float32, at most the size's max new tokens, on a random-weight model from
-tiny_model.py (bench/grpo_step.py's SIZES: the issue's two rows).
+The reason the project samples with vLLM. Both sides get the synthetic task's prompts (template "question"), group size
+8 (vLLM: n=8 with a prefix cache; transformers: num_return_sequences=8), temperature 1, top-p 1, float32, at most
+the size's max new tokens, on a random-weight model from tiny_model.py (bench/grpo_step.py's SIZES: the issue's two
+rows).
 
     python -m bench.generate                      # tiny and 25m, each in its own process (one engine each)
     python -m bench.generate --sizes tiny --repeats 1
 
-Prints, per size: generated tokens, seconds and tokens/s of each side (median of --repeats after a
-warm-up) and the ratio vLLM / transformers. With --profile, then one more engine call under cProfile
-and where it went: own seconds per source file (the model's matmul and attention kernels, vLLM's
-scheduler, its output processing). cProfile slows the Python parts several times over, so read its
-seconds as a ranking, not as the unprofiled call's split. The engine samples as grpo.py's does: with
-each sampled token's log-prob (logprobs=0), which transformers' side does not compute.
+Prints, per size: generated tokens, seconds and tokens/s of each side (median of --repeats after a warm-up) and the
+ratio vLLM / transformers. With --profile, then one more engine call under cProfile and where it went: own seconds
+per source file (the model's matmul and attention kernels, vLLM's scheduler, its output processing). cProfile slows
+the Python parts several times over, so read its seconds as a ranking, not as the unprofiled call's split. The engine
+samples as grpo.py's does: with each sampled token's log-prob (logprobs=0), which transformers' side does not compute.
 
     python -m bench.generate --sizes 25m --repeats 1 --profile
 """

@@ -1,17 +1,14 @@
-"""A whole grpo.py step, split into generate / score / train / reload from grpo.py's own
-metrics.jsonl; with --trl-python, TRL's GRPOTrainer beside it at the same settings, and the ratio
-grpo.py / TRL.
+"""A whole grpo.py step, split into generate / score / train / reload from grpo.py's own metrics.jsonl; with
+--trl-python, TRL's GRPOTrainer beside it at the same settings, and the ratio grpo.py / TRL.
 
-Both sides: a random-weight model from tiny_model.py (so every run generates about the same amount
-of work), the synthetic task's train prompts (template "question") scored by verifiers.score, group
-size 8, float32, beta 0, token-mean loss (TRL loss_type="dapo"), constant learning rate, one
-optimizer step per generation batch, temperature 1, no gradient checkpointing; grpo.py with
---no-drop-zero-variance-groups so it trains on every response, as TRL does. TRL generates with
-transformers' generate (its best CPU mode). Two sizes, the issue's (SIZES):
+Both sides: a random-weight model from tiny_model.py (so every run generates about the same amount of work), the
+synthetic task's train prompts (template "question") scored by verifiers.score, group size 8, float32, beta 0,
+token-mean loss (TRL loss_type="dapo"), constant learning rate, one optimizer step per generation batch, temperature
+1, no gradient checkpointing; grpo.py with --no-drop-zero-variance-groups so it trains on every response, as TRL does.
+TRL generates with transformers' generate (its best CPU mode). Two sizes, the issue's (SIZES):
 
-    tiny  the ladder's 4-layer model (0.85M): 256 completions (32 prompts x 8), <= 64 tokens,
-    microbatch 64 25m   --hidden-size 512 --n-layers 8 ... (25.4M): 128 completions (16 x 8), <= 128
-    tokens, microbatch 32
+    tiny  the ladder's 4-layer model (0.85M): 256 completions (32 prompts x 8), <= 64 tokens, microbatch 64
+    25m   --hidden-size 512 --n-layers 8 ... (25.4M): 128 completions (16 x 8), <= 128 tokens, microbatch 32
 
 From the repository root (every bench runs as a module: `python -m bench.<name>`):
 
@@ -20,12 +17,11 @@ From the repository root (every bench runs as a module: `python -m bench.<name>`
     python -m venv .venv-trl && .venv-trl/bin/pip install -r bench/requirements-trl.txt  # TRL's own environment
     python -m bench.grpo_step --trl-python .venv-trl/bin/python  # both sides, ~10 min on 2 cores
 
-It prints seconds per step, the median over the steps after the first (a warm-up): grpo.py's
-time/generate, time/score, time/train and time/reload (the reload and its check), and TRL's
-generate+score (timed around its _generate_and_score_completions) and train (the rest of its step).
-Each grpo.py run starts a vLLM engine: where engines share a machine, wrap the command in `flock
-/tmp/vllm.lock`. The standard library only at import: TRL's python runs this file too (--trl-model),
-and the other benches take their models and child processes from here.
+It prints seconds per step, the median over the steps after the first (a warm-up): grpo.py's time/generate,
+time/score, time/train and time/reload (the reload and its check), and TRL's generate+score (timed around its
+_generate_and_score_completions) and train (the rest of its step). Each grpo.py run starts a vLLM engine: where
+engines share a machine, wrap the command in `flock /tmp/vllm.lock`. The standard library only at import: TRL's python
+runs this file too (--trl-model), and the other benches take their models and child processes from here.
 """
 
 import json

@@ -1,25 +1,22 @@
-"""Would generating step k+1 while training on step k pay here? Measure it before writing the
-variant that does it.
+"""Would generating step k+1 while training on step k pay here? Measure it before writing the variant that does it.
 
-One-step-off-policy GRPO (verl's one_step_off_policy recipe, TRL's and PipelineRL's async modes)
-lets the engine sample the next batch while the trainer updates on the last one. It changes the
-algorithm (each batch comes from the weights of one update ago) and it pays only where the two
-phases do not share the hardware: two GPUs, or phases that leave CPU cores idle. On one batch of the
-issue's settings (bench/grpo_step.py's SIZES) this prints
+One-step-off-policy GRPO (verl's one_step_off_policy recipe, TRL's and PipelineRL's async modes) lets the engine sample
+the next batch while the trainer updates on the last one. It changes the algorithm (each batch comes from the weights
+of one update ago) and it pays only where the two phases do not share the hardware: two GPUs, or phases that leave
+CPU cores idle. On one batch of the issue's settings (bench/grpo_step.py's SIZES) this prints
 
-    generate   an engine started as grpo.py's samples the batch, as grpo.py's step 1 does train
-    an update on it as grpo.py's (bench/train_step.py's microbatch_backward), one AdamW step both
-    the two at once: the engine samples in a second thread while this one trains
+    generate   an engine started as grpo.py's samples the batch, as grpo.py's step 1 does
+    train      an update on it as grpo.py's (bench/train_step.py's microbatch_backward), one AdamW step
+    both       the two at once: the engine samples in a second thread while this one trains
 
-and both / (generate + train): 1.0 means overlapping gains nothing; max(generate, train) / (generate
-+ train) is the most it could gain (the slower phase hides the other).
+and both / (generate + train): 1.0 means overlapping gains nothing; max(generate, train) / (generate + train) is the
+most it could gain (the slower phase hides the other).
 
     python -m bench.overlap                             # both sizes, on the CPU
     python -m bench.overlap --sizes tiny --repeats 1
     python -m bench.overlap --vllm-device cuda:0 --policy-device cuda:1     # two GPUs (not run yet)
 
-Each size runs in its own process (one engine each): where engines share a machine, wrap it in
-`flock /tmp/vllm.lock`.
+Each size runs in its own process (one engine each): where engines share a machine, wrap it in `flock /tmp/vllm.lock`.
 """
 
 import contextlib

@@ -1,12 +1,10 @@
-"""Weight reload into the vLLM engine: seconds and bytes/s, against a plain copy of the same bytes
-on the same device.
+"""Weight reload into the vLLM engine: seconds and bytes/s, against a plain copy of the same bytes on the same device.
 
-grpo.py copies the trainer's weights into its in-process engine after every step: vLLM's in-place
-reload_weights with the trainer's state_dict(), then a reset of the prefix cache. This file times
-its own copy of those two calls on random-weight models from tiny_model.py, and the physical limit
-in-process: copy_ of every tensor into a preallocated one of the same shape and dtype. The check
-grpo.py runs after each reload (weights read back, two probes generated and scored) is in its
-time/reload: bench/grpo_step.py prints it.
+grpo.py copies the trainer's weights into its in-process engine after every step: vLLM's in-place reload_weights with
+the trainer's state_dict(), then a reset of the prefix cache. This file times its own copy of those two calls on
+random-weight models from tiny_model.py, and the physical limit in-process: copy_ of every tensor into a preallocated
+one of the same shape and dtype. The check grpo.py runs after each reload (weights read back, two probes generated and
+scored) is in its time/reload: bench/grpo_step.py prints it.
 
     python -m bench.reload                        # tiny, 25m and 300m (each in its own process: one engine each)
     python -m bench.reload --sizes tiny --repeats 3

@@ -1,16 +1,13 @@
 """The trainer side of a GRPO step, alone: tokens/s, model FLOPs utilisation and peak memory.
 
-Builds a model of Qwen3-1.7B-Base's shape from its config with random weights (nothing is
-downloaded) and trains it on random token ids as grpo.py's update does, in this file's own copy of
-it (microbatch_backward): float32 weights, bf16 autocast on a GPU, log-probs of the labels and the
-token entropy, the clipped surrogate with a token-mean loss, backward; gradient clipping and one
-AdamW step per batch. For each microbatch size it prints
+Builds a model of Qwen3-1.7B-Base's shape from its config with random weights (nothing is downloaded) and trains it
+on random token ids as grpo.py's update does, in this file's own copy of it (microbatch_backward): float32 weights,
+bf16 autocast on a GPU, log-probs of the labels and the token entropy, the clipped surrogate with a token-mean loss,
+backward; gradient clipping and one AdamW step per batch. For each microbatch size it prints
 
-    tokens/s   trained tokens (prompt + response) per second over the timed steps MFU        6 x
-    parameters x tokens/s over the device's bf16 dense peak (--peak-tflops; H100 SXM: 989); on a
-    CPU,
-               over a MEASURED float32 peak: the best of a few 2048 x 2048 matmuls
-               (cpu_matmul_tflops)
+    tokens/s   trained tokens (prompt + response) per second over the timed steps
+    MFU        6 x parameters x tokens/s over the device's bf16 dense peak (--peak-tflops; H100 SXM: 989); on a CPU,
+               over a MEASURED float32 peak: the best of a few 2048 x 2048 matmuls (cpu_matmul_tflops)
     peak GiB   torch.cuda.max_memory_allocated (GPU), or the process's peak RSS (CPU)
 
     python -m bench.train_step                                  # GPU: Qwen3-1.7B shape, microbatch 1, 2, 4, 8

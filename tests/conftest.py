@@ -50,3 +50,36 @@ def interrupted_at_call(module, name: str, n: int):
     with pytest.MonkeyPatch.context() as mp, pytest.raises(KeyboardInterrupt):
         mp.setattr(module, name, counted)
         yield
+
+
+@pytest.fixture(scope="session")
+def flawed_sft_checkpoint(tmp_path_factory) -> Path:
+    """The ladder's SFT stage, seed 0: a 4-layer tiny model, one epoch over the flawed teacher's
+    20,000 traces (it forgets carries, data.flawed_teacher). ~3 minutes on 2 cores; the learning
+    tests of GRPO and of expert iteration start from it."""
+    import ladder
+    import sft
+    import tiny_model
+
+    folder = tmp_path_factory.mktemp("learns")
+    base = tiny_model.main(tiny_model.Args(out=str(folder / "base"), n_layers=4, seed=0))
+    ladder.write_teacher_traces(ladder.Args(seed=0), folder)
+    args = sft.Args(
+        model=str(base),
+        dataset="synthetic",
+        template="question",
+        sft_file=str(folder / ladder.TRACES),
+        seed=0,
+        output_dir=str(folder),
+        batch_size=32,
+        microbatch_size=32,
+        lr=3e-3,
+        max_seq_len=128,
+        eval_every=100000,
+        n_eval=64,
+        eval_max_tokens=64,
+        save_every=100000,
+    )
+    run = sft.main(args)
+    (checkpoint,) = (run / "checkpoints").iterdir()
+    return checkpoint
