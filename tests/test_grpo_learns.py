@@ -7,28 +7,24 @@ Like with like, so that the margins hold on any x86-64 CPU: the float kernels di
 set (AVX2, AVX-512, AMX), so the numbers differ by machine type (docs/ladder.md, "Reproducibility"),
 and only the greedy reward on one fixed set of problems, before and after, is compared. Measured
 (start -> after 10 steps, seeds 1 / 2 / 3):
-  AMD EPYC, AVX2 (pinned or not: the same bits)   0.387 -> 0.762 / 0.742 / 0.703  gains >= 0.316,
-  seed std 0.030 AVX-512 + AMX, unpinned (reported in issue 12)   0.391 -> 0.711 / 0.703 / 0.695
-  gains >= 0.304, seed std 0.008
+  AMD EPYC, AVX2 (pinned or not: the same bits): 0.387 -> 0.762 / 0.742 / 0.703, gains >= 0.316,
+    seed std 0.030
+  AVX-512 + AMX, unpinned: 0.391 -> 0.711 / 0.703 / 0.695, gains >= 0.304, seed std 0.008
+  AMD EPYC, AVX-512 without AMX, unpinned: 0.391 -> 0.789 / 0.801 / 0.820
 The smallest gain is twice the 0.15 asserted, and ~7 standard errors of a difference of two
 accuracies on 256 problems (~0.043). The sampled reward of the rollouts is not asserted on: each
 step draws new questions, so its steps-6-10-vs-steps-1-2 comparison had a noise of the size of its
 margin (it failed on the AVX-512 machine).
 
-The budget (2 CPU cores): the tiny model and SFT (the ladder's: 625 steps) ~3 minutes, then GRPO 10
-steps of 128 responses, 3 seeds x ~40 s. ladder.py runs the same recipe with longer RL; its numbers
-are in the README.
+The budget (2 CPU cores): the tiny model and SFT (conftest.flawed_sft_checkpoint, shared with
+test_expert_iter_learns.py) ~3 minutes, then GRPO 10 steps of 128 responses, 3 seeds x ~40 s.
+ladder.py runs the same recipe with longer RL; its numbers are in the README.
 """
 
 import json
 import statistics
 
-import pytest
-
 import grpo
-import ladder
-import sft
-import tiny_model
 
 GRPO_SEEDS = (1, 2, 3)
 TASK = dict(dataset="synthetic", template="question")
@@ -36,34 +32,6 @@ TASK = dict(dataset="synthetic", template="question")
 
 def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def flawed_sft_checkpoint(tmp_path_factory):
-    """The ladder's SFT stage: a 4-layer tiny model, one epoch over the flawed teacher's 20,000
-    traces."""
-    folder = tmp_path_factory.mktemp("learns")
-    base = tiny_model.main(tiny_model.Args(out=str(folder / "base"), n_layers=4, seed=0))
-    ladder.write_teacher_traces(ladder.Args(seed=0), folder)
-    run = sft.main(
-        sft.Args(
-            model=str(base),
-            **TASK,
-            sft_file=str(folder / ladder.TRACES),
-            seed=0,
-            output_dir=str(folder),
-            batch_size=32,
-            microbatch_size=32,
-            lr=3e-3,
-            max_seq_len=128,
-            eval_every=100000,
-            n_eval=64,
-            eval_max_tokens=64,
-            save_every=100000,
-        )
-    )
-    (checkpoint,) = (run / "checkpoints").iterdir()
-    return checkpoint
 
 
 def test_grpo_raises_the_reward_by_several_times_the_seed_spread(flawed_sft_checkpoint, tmp_path):
