@@ -50,63 +50,82 @@ import verifiers
 @dataclass
 class Args:
     # --- run ---
-    # runs/<exp_name>__<seed>__<unix time>
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    seed: int = 1  # seed for the questions drawn and the engine's sampling
-    output_dir: str = "runs"  # where run folders are made
-    # a run folder to continue from its last checkpoint, with its own arguments
+    """runs/<exp_name>__<seed>__<unix time>"""
+    seed: int = 1
+    """seed for the questions drawn and the engine's sampling"""
+    output_dir: str = "runs"
+    """where run folders are made"""
     resume: str | None = None
-    track: bool = False  # also log to Weights & Biases (pip install wandb)
-    wandb_project: str = "rlvr-distill"  # the W&B project, with --track
+    """a run folder to continue from its last checkpoint, with its own arguments"""
+    track: bool = False
+    """also log to Weights & Biases (pip install wandb)"""
+    wandb_project: str = "rlvr-distill"
+    """the W&B project, with --track"""
     # --- model ---
-    # the student: Hugging Face name or folder (an SFT checkpoint)
     model: str = "Qwen/Qwen3-1.7B-Base"
-    teacher: str = "Qwen/Qwen3-8B"  # the teacher: any causal LM with the student's tokenizer
-    # device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)
+    """the student: Hugging Face name or folder (an SFT checkpoint)"""
+    teacher: str = "Qwen/Qwen3-8B"
+    """the teacher: any causal LM with the student's tokenizer"""
     policy_device: str | None = None
-    # device of the vLLM engine; None: this rank's second GPU, else the trainer's
+    """device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)"""
     vllm_device: str | None = None
-    # the engine's share of its GPU; None: 0.85 alone, 0.3 shared
+    """device of the vLLM engine; None: this rank's second GPU, else the trainer's"""
     vllm_gpu_memory_utilization: float | None = None
-    # recompute activations in the backward pass: less memory, about 30% more time
+    """the engine's share of its GPU; None: 0.85 alone, 0.3 shared"""
     gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, about 30% more time"""
     # --- data ---
-    # gsm8k | math | mbpp | ifeval | synthetic, or a mixture: gsm8k:0.5,math:0.5
     dataset: str = "gsm8k"
-    data_dir: str | None = None  # data root, one folder per dataset (../shared/data); None: the hub
-    template: str = "r1_zero"  # r1_zero | question | chat (data.py)
-    # e.g. ifeval=question: another template for a dataset
+    """gsm8k | math | mbpp | ifeval | synthetic, or a mixture: gsm8k:0.5,math:0.5"""
+    data_dir: str | None = None
+    """data root, one folder per dataset (../shared/data); None: the hub"""
+    template: str = "r1_zero"
+    """r1_zero | question | chat (data.py)"""
     dataset_templates: list[str] = field(default_factory=list)
-    # steps; each one generates a rollout batch, trains on it and reloads the engine
+    """e.g. ifeval=question: another template for a dataset"""
     n_distill_steps: int = 200
-    rollout_batch_size: int = 256  # responses per step: / group_size questions
-    # responses per question (at least 2 with --reward-weight: the group is the baseline)
+    """steps; each one generates a rollout batch, trains on it and reloads the engine"""
+    rollout_batch_size: int = 256
+    """responses per step: / group_size questions"""
     group_size: int = 4
-    # sampling temperature; student and teacher divide their logits by it alike
+    """responses per question (at least 2 with --reward-weight: the group is the baseline)"""
     temperature: float = 1.0
-    max_tokens: int = 1024  # max new tokens per response
+    """sampling temperature; student and teacher divide their logits by it alike"""
+    max_tokens: int = 1024
+    """max new tokens per response"""
     # --- optim ---
-    lr: float = 1e-5  # peak learning rate of AdamW (reached after the warmup)
-    # AdamW weight decay (torch's default, 0.01, would pull even a perfect student away)
+    lr: float = 1e-5
+    """peak learning rate of AdamW (reached after the warmup)"""
     weight_decay: float = 0.0
-    # optimizer steps (one a step) over which the learning rate rises linearly from 0, then stays
+    """AdamW weight decay (torch's default, 0.01, would pull even a perfect student away)"""
     warmup_steps: int = 0
-    microbatch_size: int = 2  # examples per forward/backward pass (gradients accumulate)
-    max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this
-    # w: add w x the verifier's group-normalised reward to every token's advantage
+    """optimizer steps (one a step) over which the learning rate rises linearly from 0, then stays"""
+    microbatch_size: int = 2
+    """examples per forward/backward pass (gradients accumulate)"""
+    max_grad_norm: float = 1.0
+    """clip the gradient's global L2 norm to this"""
     reward_weight: float = 0.0
+    """w: add w x the verifier's group-normalised reward to every token's advantage"""
     # --- eval ---
-    eval_split: str = "val"  # val (or test where there is none) | test
-    n_eval: int = 512  # problems evaluated per dataset, greedy, from the start of its eval split
-    eval_every: int = 10  # evaluate every this many steps (and at the start and the end)
-    eval_max_tokens: int = 1024  # max new tokens per evaluation response
-    n_log_generations: int = 4  # evaluation responses to generations.jsonl
-    save_every: int = 50  # checkpoint every this many steps (and at the end)
-    # keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all
+    eval_split: str = "val"
+    """val (or test where there is none) | test"""
+    n_eval: int = 512
+    """problems evaluated per dataset, greedy, from the start of its eval split"""
+    eval_every: int = 10
+    """evaluate every this many steps (and at the start and the end)"""
+    eval_max_tokens: int = 1024
+    """max new tokens per evaluation response"""
+    n_log_generations: int = 4
+    """evaluation responses to generations.jsonl"""
+    save_every: int = 50
+    """checkpoint every this many steps (and at the end)"""
     keep_checkpoints: int = 2
-    reload_tol: float | None = None  # max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16
-    # under torchrun: how long a rank waits for the others before naming them and stopping
+    """keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all"""
+    reload_tol: float | None = None
+    """max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16"""
     rank_timeout_s: float = 1800
+    """under torchrun: how long a rank waits for the others before naming them and stopping"""
 
 
 # --- ALGORITHM, CS336 vocabulary: tokens and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---

@@ -57,86 +57,116 @@ import verifiers
 @dataclass
 class Args:
     # --- run ---
-    # runs/<exp_name>__<seed>__<unix time>
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    seed: int = 1  # seed for the questions drawn, the engine's sampling and the minibatch order
-    output_dir: str = "runs"  # where run folders are made
-    # a run folder to continue from its last checkpoint, with its own arguments
+    """runs/<exp_name>__<seed>__<unix time>"""
+    seed: int = 1
+    """seed for the questions drawn, the engine's sampling and the minibatch order"""
+    output_dir: str = "runs"
+    """where run folders are made"""
     resume: str | None = None
-    track: bool = False  # also log to Weights & Biases (pip install wandb)
-    wandb_project: str = "rlvr-grpo"  # the W&B project, with --track
+    """a run folder to continue from its last checkpoint, with its own arguments"""
+    track: bool = False
+    """also log to Weights & Biases (pip install wandb)"""
+    wandb_project: str = "rlvr-grpo"
+    """the W&B project, with --track"""
     # --- model ---
-    model: str = "Qwen/Qwen3-1.7B-Base"  # Hugging Face name or folder; also the KL reference
-    # device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)
+    model: str = "Qwen/Qwen3-1.7B-Base"
+    """Hugging Face name or folder; also the KL reference"""
     policy_device: str | None = None
-    # device of the vLLM engine; None: this rank's second GPU, else the trainer's
+    """device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)"""
     vllm_device: str | None = None
-    # the engine's share of its GPU; None: 0.85 alone, 0.3 shared
+    """device of the vLLM engine; None: this rank's second GPU, else the trainer's"""
     vllm_gpu_memory_utilization: float | None = None
-    # recompute activations in the backward pass: less memory, about 30% more time
+    """the engine's share of its GPU; None: 0.85 alone, 0.3 shared"""
     gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, about 30% more time"""
     # --- data ---
-    # gsm8k | math | mbpp | ifeval | synthetic, or a mixture: gsm8k:0.5,math:0.5
     dataset: str = "gsm8k"
-    data_dir: str | None = None  # data root, one folder per dataset (../shared/data); None: the hub
-    template: str = "r1_zero"  # r1_zero | question | chat (data.py)
-    # e.g. ifeval=question: another template for a dataset
+    """gsm8k | math | mbpp | ifeval | synthetic, or a mixture: gsm8k:0.5,math:0.5"""
+    data_dir: str | None = None
+    """data root, one folder per dataset (../shared/data); None: the hub"""
+    template: str = "r1_zero"
+    """r1_zero | question | chat (data.py)"""
     dataset_templates: list[str] = field(default_factory=list)
-    # e.g. mbpp=order.txt: a dataset's questions in a file's order
+    """e.g. ifeval=question: another template for a dataset"""
     curriculum: list[str] = field(default_factory=list)
+    """e.g. mbpp=order.txt: a dataset's questions in a file's order"""
     # --- generation ---
-    n_grpo_steps: int = 200  # GRPO steps: generate a rollout batch, train on it, reload the engine
-    rollout_batch_size: int = 256  # responses per step: / group_size questions
-    # responses per question; their mean reward is each one's baseline (at least 2)
+    n_grpo_steps: int = 200
+    """GRPO steps: generate a rollout batch, train on it, reload the engine"""
+    rollout_batch_size: int = 256
+    """responses per step: / group_size questions"""
     group_size: int = 8
-    # sampling temperature; the trainer divides its logits by it too, so the ratio starts at 1
+    """responses per question; their mean reward is each one's baseline (at least 2)"""
     temperature: float = 1.0
-    # max new tokens per response; answers cut off here score 0 (watch rollout/truncation_rate)
+    """sampling temperature; the trainer divides its logits by it too, so the ratio starts at 1"""
     max_tokens: int = 1024
+    """max new tokens per response; answers cut off here score 0 (watch rollout/truncation_rate)"""
     # --- optim ---
-    lr: float = 1e-5  # peak learning rate of AdamW (reached after the warmup)
-    weight_decay: float = 0.0  # AdamW weight decay
-    # optimizer steps (not GRPO steps) over which the learning rate rises linearly from 0
+    lr: float = 1e-5
+    """peak learning rate of AdamW (reached after the warmup)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
     warmup_steps: int = 0
-    # after the warmup: constant | cosine (to 0 at the last optimizer step)
+    """optimizer steps (not GRPO steps) over which the learning rate rises linearly from 0"""
     lr_schedule: str = "constant"
-    # responses per optimizer step (fewer than a rollout batch: off-policy)
+    """after the warmup: constant | cosine (to 0 at the last optimizer step)"""
     train_batch_size: int = 256
-    epochs_per_rollout_batch: int = 1  # passes over each rollout batch; more than 1 is off-policy
-    microbatch_size: int = 2  # examples per forward/backward pass (gradients accumulate)
-    max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this
+    """responses per optimizer step (fewer than a rollout batch: off-policy)"""
+    epochs_per_rollout_batch: int = 1
+    """passes over each rollout batch; more than 1 is off-policy"""
+    microbatch_size: int = 2
+    """examples per forward/backward pass (gradients accumulate)"""
+    max_grad_norm: float = 1.0
+    """clip the gradient's global L2 norm to this"""
     # --- grpo ---
-    # no_baseline | reinforce_with_baseline | grpo_clip | gspo | cispo (LOSS_INPUTS)
     loss_type: str = "grpo_clip"
-    # token_mean | sequence_mean | constant (aggregate_loss)
+    """no_baseline | reinforce_with_baseline | grpo_clip | gspo | cispo (LOSS_INPUTS)"""
     loss_aggregation: str = "token_mean"
-    normalize_by_std: bool = True  # divide advantages by their group's std (Dr. GRPO: don't)
-    advantage_eps: float = 1e-6  # added to the group's std before dividing
-    clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low (grpo_clip)
-    # the ratio is clipped above at 1 + clip_high (grpo_clip); DAPO's clip-higher uses 0.28
+    """token_mean | sequence_mean | constant (aggregate_loss)"""
+    normalize_by_std: bool = True
+    """divide advantages by their group's std (Dr. GRPO: don't)"""
+    advantage_eps: float = 1e-6
+    """added to the group's std before dividing"""
+    clip_low: float = 0.2
+    """the ratio is clipped below at 1 - clip_low (grpo_clip)"""
     clip_high: float = 0.2
-    beta: float = 0.0  # weight of the k3 KL to the starting model; 0: no reference loaded
-    drop_zero_variance_groups: bool = True  # leave out groups with no gradient (groups_with_signal)
-    overlong_buffer: int = 0  # DAPO's soft overlong penalty over the last this many tokens; 0: off
-    overlong_penalty: float = 1.0  # the reward's penalty at --max-tokens tokens (overlong_penalty)
-    dynamic_sampling: bool = False  # DAPO: draw more questions until enough groups have a signal
-    max_draws: int = 4  # with --dynamic-sampling: draws per step, at most
-    # leave responses cut off at --max-tokens out of the loss (DAPO's overlong filtering)
+    """the ratio is clipped above at 1 + clip_high (grpo_clip); DAPO's clip-higher uses 0.28"""
+    beta: float = 0.0
+    """weight of the k3 KL to the starting model; 0: no reference loaded"""
+    drop_zero_variance_groups: bool = True
+    """leave out groups with no gradient (groups_with_signal)"""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty over the last this many tokens; 0: off"""
+    overlong_penalty: float = 1.0
+    """the reward's penalty at --max-tokens tokens (overlong_penalty)"""
+    dynamic_sampling: bool = False
+    """DAPO: draw more questions until enough groups have a signal"""
+    max_draws: int = 4
+    """with --dynamic-sampling: draws per step, at most"""
     mask_truncated: bool = False
-    # truncated IS of the engine's numerics; None: off
+    """leave responses cut off at --max-tokens out of the loss (DAPO's overlong filtering)"""
     vllm_importance_sampling_cap: float | None = 2.0
+    """truncated IS of the engine's numerics; None: off"""
     # --- eval ---
-    eval_split: str = "val"  # val (or test where there is none) | test
-    n_eval: int = 512  # problems evaluated per dataset, greedy, from the start of its eval split
-    eval_every: int = 10  # evaluate every this many GRPO steps (and at the start and the end)
-    eval_max_tokens: int = 1024  # max new tokens per evaluation response
-    n_log_generations: int = 4  # evaluation responses to generations.jsonl
-    save_every: int = 50  # checkpoint every this many GRPO steps (and at the end)
-    # keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all
+    eval_split: str = "val"
+    """val (or test where there is none) | test"""
+    n_eval: int = 512
+    """problems evaluated per dataset, greedy, from the start of its eval split"""
+    eval_every: int = 10
+    """evaluate every this many GRPO steps (and at the start and the end)"""
+    eval_max_tokens: int = 1024
+    """max new tokens per evaluation response"""
+    n_log_generations: int = 4
+    """evaluation responses to generations.jsonl"""
+    save_every: int = 50
+    """checkpoint every this many GRPO steps (and at the end)"""
     keep_checkpoints: int = 2
-    reload_tol: float | None = None  # max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16
-    # under torchrun: how long a rank waits for the others before naming them and stopping
+    """keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all"""
+    reload_tol: float | None = None
+    """max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16"""
     rank_timeout_s: float = 1800
+    """under torchrun: how long a rank waits for the others before naming them and stopping"""
 
 
 # --- ALGORITHM, CS336 vocabulary: tokens and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
