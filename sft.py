@@ -395,6 +395,7 @@ def main(args: Args) -> Path:
     # --- ALGORITHM: the SFT loop ---
     # Phases 1 and 2 (generate, score) are expert_iter.py's and grpo.py's: here the responses
     # are given.
+    n_bad_in_a_row = 0
     for step in range(start_step, n_steps):
         metrics = {}
         step_done = step + 1
@@ -407,7 +408,9 @@ def main(args: Args) -> Path:
             out = sft_batch_train_step(
                 policy, tokenizer, batch, args.microbatch_size, args.max_seq_len, autocast
             )
-            grad_norm, _ = optimizer_step(policy, optimizer, lr, args.max_grad_norm)
+            grad_norm, n_bad_in_a_row = optimizer_step(
+                policy, optimizer, lr, args.max_grad_norm, n_bad_in_a_row
+            )
         metrics["train/loss"] = out["loss"]
         metrics["train/grad_norm"] = grad_norm
         metrics["train/lr"] = lr

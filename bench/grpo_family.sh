@@ -21,7 +21,7 @@ for seed in $SEEDS; do
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python grpo.py --model "$SFT" --dataset synthetic \
       --template question --seed "$seed" --output-dir "$OUT/$name" --n-grpo-steps "$STEPS" \
       --rollout-batch-size 256 --group-size 8 --train-batch-size 64 --microbatch-size 64 --lr 1e-4 \
-      --warmup-steps 5 --lr-schedule cosine --max-tokens 64 --eval-max-tokens 64 --n-eval 256 \
+      --warmup-steps 20 --lr-schedule cosine --max-tokens 64 --eval-max-tokens 64 --n-eval 256 \
       --eval-split test --eval-every 100000 --save-every 100000 ${VARIANTS[$name]} > "$OUT/$name/seed$seed.log" 2>&1
     echo "$name seed $seed rc $? wall $(( $(date +%s) - start )) s" >> "$OUT/done.txt"
   done
