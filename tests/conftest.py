@@ -83,3 +83,62 @@ def flawed_sft_checkpoint(tmp_path_factory) -> Path:
     run = sft.main(args)
     (checkpoint,) = (run / "checkpoints").iterdir()
     return checkpoint
+
+
+def right_response(example: dict, template: str) -> str:
+    """A response the real verifier accepts for this problem: its gold solution written as the
+    template's responses are (hendrycks_math_kshot: lm-eval's " $answer$"; mbpp_kshot: the
+    program, as the engine stops before "[DONE]")."""
+    import data
+
+    if template == "hendrycks_math_kshot":
+        return f" ${example['answer']}$"
+    if template == "mbpp_kshot":
+        return example["solution"]
+    return data.render_response(example, template)
+
+
+def plant_right_responses(monkeypatch, eval_module, every: int = 3) -> None:
+    """eval.py as it is, except that sample j of problem i is replaced, before the real verifier
+    scores it, by a right response where (i + j) % every == 0 (IFEval has no gold to plant). A
+    random tiny model answers nothing right; this gives the recounts a known mix of right and
+    wrong (a scored stand-in: the verifier is the real one)."""
+    real = eval_module.score_records
+
+    def planted(args, examples, prompts, samples):
+        changed = []
+        for i, (example, group) in enumerate(zip(examples, samples, strict=True)):
+            changed.append(
+                [
+                    (right_response(example, args.template), n_tokens, finish)
+                    if (i + j) % every == 0 and example["verifier"] != "ifeval"
+                    else (text, n_tokens, finish)
+                    for j, (text, n_tokens, finish) in enumerate(group)
+                ]
+            )
+        return real(args, examples, prompts, changed)
+
+    monkeypatch.setattr(eval_module, "score_records", planted)
+
+
+def plant_right_in_score_batch(monkeypatch) -> None:
+    """verifiers.score_batch as it is, except that a response of even length to a GSM8K, MATH or
+    MBPP problem is replaced, before the real verifier scores it, by that problem's gold solution
+    (data.render_response). Decided by the text alone, so a resumed run replays it; a random tiny
+    model answers nothing right, and this gives the trainers' recounts a mix of right and wrong
+    (a scored stand-in: the verifier is the real one; IFEval is scored as it is)."""
+    import data
+    import verifiers
+
+    real = verifiers.score_batch
+
+    def planted(responses, examples, *args, **kwargs):
+        changed = [
+            data.render_response(example, "question")
+            if len(response) % 2 == 0 and example["verifier"] in ("gsm8k", "math", "code")
+            else response
+            for response, example in zip(responses, examples, strict=True)
+        ]
+        return real(changed, examples, *args, **kwargs)
+
+    monkeypatch.setattr(verifiers, "score_batch", planted)

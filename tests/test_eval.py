@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import plant_right_responses
 
 import data
 import eval as eval_script
@@ -205,7 +206,6 @@ def test_end_to_end_synthetic_recount(tiny_model_dir, tmp_path, monkeypatch):
         sum(r["extracted"] is not None and r["reward"] == 0.0 for r in rewards),
         sum(r["extracted"] is None for r in rewards),
     ]
-    assert sum(breakdown) == 64
     for k in (1, 2, 4):
         counts = [sum(r["reward"] == 1.0 for r in record["rewards"]) for record in records]
         assert metrics[f"eval/pass@{k}"] == pytest.approx(
@@ -217,14 +217,21 @@ def test_end_to_end_synthetic_recount(tiny_model_dir, tmp_path, monkeypatch):
             winner = majority_vote(votes)
             maj += winner is not None and winner == "1"  # fake_score: "1" is the one right answer
         assert metrics[f"eval/maj@{k}"] == pytest.approx(maj / 16)
-    assert metrics["eval/pass@1"] == pytest.approx(metrics["eval/accuracy"])
-    assert metrics["eval/pass@1"] <= metrics["eval/pass@2"] <= metrics["eval/pass@4"]
-    assert {k: v for k, v in metrics.items() if not k.startswith("time/")} == summarize(
-        records, (1, 2, 4)
-    )
+    assert metrics["eval/pass@1"] == pytest.approx(n_correct / 64)
 
 
-def test_end_to_end_gsm8k_kshot(tiny_model_dir, shared_data, tmp_path):
+def test_end_to_end_gsm8k_kshot(tiny_model_dir, shared_data, tmp_path, monkeypatch):
+    # The model's own answers score 0; problems 0 and 2 get their gold solution ("... #### N":
+    # strict and flexible), problem 1 "The answer is N." (flexible only), before the real verifier.
+    plant_right_responses(monkeypatch, eval_script, every=2)
+    planted = eval_script.score_records
+
+    def flexible_only(args, examples, prompts, samples):
+        answer = f"The answer is {examples[1]['answer']}."
+        samples = [samples[0], [(answer, *samples[1][0][1:])], *samples[2:]]
+        return planted(args, examples, prompts, samples)
+
+    monkeypatch.setattr(eval_script, "score_records", flexible_only)
     args = Args(
         model=str(tiny_model_dir),
         dataset="gsm8k",
@@ -244,11 +251,12 @@ def test_end_to_end_gsm8k_kshot(tiny_model_dir, shared_data, tmp_path):
     for record in records:
         assert record["prompt"].count("Question:") == 3  # two shots and the question
         assert "Question:" not in record["responses"][0]  # generation stops there, as in lm-eval
-        assert {"flexible_reward", "flexible_extracted"} <= set(record["rewards"][0])
-    strict = sum(record["rewards"][0]["reward"] for record in records) / 4
-    flexible = sum(record["rewards"][0]["flexible_reward"] for record in records) / 4
-    assert metrics["eval/strict_accuracy"] == metrics["eval/accuracy"] == pytest.approx(strict)
-    assert metrics["eval/flexible_accuracy"] == pytest.approx(flexible)
+    rewards = [record["rewards"][0] for record in records]
+    # by hand: strict 2 of 4 (problems 0 and 2), flexible 3 of 4 (and problem 1)
+    assert [r["reward"] for r in rewards] == [1.0, 0.0, 1.0, 0.0]
+    assert [r["flexible_reward"] for r in rewards] == [1.0, 1.0, 1.0, 0.0]
+    assert metrics["eval/strict_accuracy"] == metrics["eval/accuracy"] == 2 / 4
+    assert metrics["eval/flexible_accuracy"] == 3 / 4
 
 
 # --- argument errors: raised before any data is read or engine started ---
@@ -312,9 +320,28 @@ def tiny_long_model_dir(tmp_path_factory) -> Path:
     return tiny_model.main(tiny_model.Args(out=str(out), max_position_embeddings=4096))
 
 
+def recount_suite_row(references: dict, rewards: list[dict]) -> dict:
+    """Each reference metric of a suite row, counted from its samples' reward dicts (one sample per
+    problem), as lm-eval defines it."""
+    recounted = {}
+    for key in references:
+        if key in ("eval/accuracy", "eval/strict_accuracy", "eval/pass@1"):
+            values = [r["reward"] for r in rewards]
+        elif key == "eval/flexible_accuracy":
+            values = [r["flexible_reward"] for r in rewards]
+        elif key == "eval/prompt_level_strict_acc":
+            values = [all(r["strict"]) for r in rewards]
+        else:
+            assert key == "eval/inst_level_strict_acc", key
+            values = [verdict for r in rewards for verdict in r["strict"]]
+        recounted[key] = sum(values) / len(values)
+    return recounted
+
+
 def test_suite_one_engine_one_table(
     tiny_long_model_dir, shared_data, tmp_path, monkeypatch, capsys
 ):
+    plant_right_responses(monkeypatch, eval_script, every=2)
     starts, start_engine = [], eval_script.start_engine
     monkeypatch.setattr(
         eval_script, "start_engine", lambda args: starts.append(args) or start_engine(args)
@@ -346,9 +373,14 @@ def test_suite_one_engine_one_table(
         )
         # --limit, cap
         assert len(records) == 2 and all(n <= 16 for record in records for n in record["n_tokens"])
-        assert {
-            k: v for k, v in summary["metrics"].items() if not k.startswith("time/")
-        } == summarize(records)
+        # recounted from the samples: problem 0 got its gold (IFEval has none), problem 1 is the
+        # model's own
+        rewards = [record["rewards"][0] for record in records]
+        if dataset != "ifeval":
+            assert [r["reward"] for r in rewards] == [1.0, 0.0], name
+        recounted = recount_suite_row(references, rewards)
+        for key in references:
+            assert summary["metrics"][key] == pytest.approx(recounted[key]), (name, key)
         # our number (from summary.json) next to the reference
         for key, reference in references.items():
             ours = 100 * summary["metrics"][key]
@@ -367,12 +399,17 @@ def test_suite_one_engine_one_table(
 
 # --- GSM8K and MATH k-shot prompts against lm-eval 0.4.13's own task objects, built offline on our local rows ---
 
-LM_EVAL_TASKS = Path(importlib.util.find_spec("lm_eval").origin).parent / "tasks"
-LM_EVAL_MATH = LM_EVAL_TASKS / "hendrycks_math"
+
+def lm_eval_tasks() -> Path:
+    """lm-eval's task folder; the differential tests skip, with the reason, where it is not
+    installed (`make test` installs it: requirements-test.txt)."""
+    lm_eval = pytest.importorskip("lm_eval", reason="pip install -r requirements-test.txt")
+    return Path(lm_eval.__file__).parent / "tasks"
 
 
 def lm_eval_module(name):
-    spec = importlib.util.spec_from_file_location(name, LM_EVAL_MATH / f"{name}.py")
+    path = lm_eval_tasks() / "hendrycks_math" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -405,7 +442,7 @@ def test_gsm8k_prompt_is_lm_evals(k, shared_data):
             for line in (shared_data / "gsm8k" / f"{split}.jsonl").read_text().splitlines()
         ]
 
-    task = lm_eval_task(LM_EVAL_TASKS / "gsm8k" / "gsm8k.yaml", rows)
+    task = lm_eval_task(lm_eval_tasks() / "gsm8k" / "gsm8k.yaml", rows)
     shots = data.gsm8k_lm_eval_fewshot(k, shared_data)
     tests = data.load("gsm8k", "test", shared_data)
     for doc, example in zip(task.test_docs(), tests, strict=True):
@@ -425,7 +462,7 @@ def lm_eval_math_task(subject: str, yaml_name: str, data_dir: Path):
         mine = [row for row in map(json.loads, lines) if row["unique_id"].split("/")[1] == subject]
         return sorted(mine, key=lambda row: row["unique_id"].rsplit("/", 1)[1])
 
-    return lm_eval_task(LM_EVAL_MATH / yaml_name, rows)
+    return lm_eval_task(lm_eval_tasks() / "hendrycks_math" / yaml_name, rows)
 
 
 @pytest.fixture(scope="module")
