@@ -992,10 +992,18 @@ def _hash_target(example: dict) -> str:
 
 
 def render_prompt(
-    example: dict, template: str, tokenizer=None, fewshot: list[dict] | None = None
+    example: dict,
+    template: str,
+    tokenizer=None,
+    fewshot: list[dict] | None = None,
+    tools: bool = False,
 ) -> str:
     """The text the model is given. "chat" needs the tokenizer; "gsm8k_kshot" needs
-    fewshot=gsm8k_fewshot(k)."""
+    fewshot=gsm8k_fewshot(k). tools=True: the question says how to call its tool (tool_protocol),
+    where it has one."""
+    protocol = tool_protocol(example, template) if tools else None
+    if protocol:
+        example = dict(example, prompt=f"{example['prompt']}\n{protocol['instruction']}")
     question = example["prompt"]
     code = example["verifier"] == "code"
     if template in ("mbpp_kshot", "humaneval") and not (
@@ -1101,6 +1109,55 @@ def stop_strings(template: str) -> list[str]:
     if template not in stops:
         raise ValueError(f"unknown template {template!r}; choose from {list(TEMPLATES)}")
     return stops[template]
+
+
+# --- Tools during generation: one Python tool, called in a form the template declares ---
+
+# A response calls the tool by writing `open`, a call, then `stop` (where the engine stops); the
+# sandbox runs `program` with the call in it, and its output, inside `output`, is appended to the
+# response (grpo_tools.py). GSM8K and MATH: a fenced python block answered by a fenced output
+# block. The synthetic task: GSM8K's calculator notes, short enough for the tiny tokenizer:
+#   "16 + 7 = <<16 + 7>>23. 23 - 5 = 18."   (the tool wrote "23")
+TOOL_PROTOCOLS = {
+    "python": {
+        "open": "```python\n",
+        # the closing fence: "```python" opens, "\n```\n" closes
+        "stop": "\n```\n",
+        "program": "{}",
+        "output": "```output\n{}\n```\n",
+        "instruction": (
+            "You may run Python: write a ```python block that prints, and its output will follow "
+            "in a ```output block."
+        ),
+    },
+    "calculator": {
+        "open": "<<",
+        "stop": ">>",
+        "program": "print({})",
+        "output": "{}",
+        "instruction": "Calculator: <<16 + 7>>23",
+    },
+}
+
+
+def tool_protocol(example: dict, template: str) -> dict | None:
+    """The tool protocol of an example under a template (TOOL_PROTOCOLS), or None: code tasks
+    already write python blocks, and IFEval and the k-shot templates have no tool."""
+    if example["verifier"] == "synthetic" and template in ("question", "r1_zero", "chat"):
+        return TOOL_PROTOCOLS["calculator"]
+    if example["verifier"] in ("gsm8k", "math") and template in ("r1_zero", "chat"):
+        return TOOL_PROTOCOLS["python"]
+    return None
+
+
+def tool_program(text: str, protocol: dict) -> str | None:
+    """The program of the call that ends `text` (a turn that stopped at protocol["stop"]): the
+    text after the last protocol["open"], in protocol["program"]; None if the turn opened none."""
+    start = text.rfind(protocol["open"])
+    if start < 0 or not text.endswith(protocol["stop"]):
+        return None
+    call = text[start + len(protocol["open"]) : len(text) - len(protocol["stop"])]
+    return protocol["program"].format(call)
 
 
 # --- Mixtures: several datasets with weights, and optionally a fixed order per dataset (a curriculum) ---
@@ -1302,9 +1359,17 @@ class Task:
     evals: dict[str, list[dict]]
     data_dir: str | None = None
     tokenizer: object = None
+    tools: bool = False
 
     def prompt(self, example: dict) -> str:
-        return render_prompt(example, self.templates[example["dataset"]], self.tokenizer)
+        template = self.templates[example["dataset"]]
+        return render_prompt(example, template, self.tokenizer, tools=self.tools)
+
+    def tool(self, example: dict) -> dict | None:
+        """The example's tool protocol if the task has tools, else None."""
+        if not self.tools:
+            return None
+        return tool_protocol(example, self.templates[example["dataset"]])
 
     def response(self, example: dict) -> str:
         return render_response(example, self.templates[example["dataset"]])
@@ -1370,7 +1435,11 @@ def load_task(args, tokenizer=None, n_questions: int = 0, train: bool = True) ->
         split = eval_split(name, args.eval_split)
         eval_examples = load(name, split, args.data_dir)[: args.n_eval]
         evals[name] = [{**ex, "dataset": name} for ex in eval_examples]
-    return Task(names, weights, templates, examples, sizes, orders, evals, args.data_dir, tokenizer)
+    # grpo_tools.py's --max-tool-calls, eval.py's --tools
+    tools = getattr(args, "max_tool_calls", 0) > 0 or getattr(args, "tools", False)
+    return Task(
+        names, weights, templates, examples, sizes, orders, evals, args.data_dir, tokenizer, tools
+    )
 
 
 def eval_metrics(records: list[dict]) -> dict:

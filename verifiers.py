@@ -533,6 +533,32 @@ def run_programs(
         return list(pool.map(lambda source: run_program(source, timeout_s), sources))
 
 
+def run_tool_calls(programs: list[str | None], timeout_s: float = CODE_TIMEOUT_S) -> list[dict]:
+    """A model's tool calls (grpo_tools.py), run in the sandbox at once: {"output", "status"} each.
+    output: the program's output on success (trailing blank lines cut), else the last line of its
+    error ("timeout" after timeout_s). status: "ok" | "error" | "timeout". None (a call the
+    protocol could not read) answers "error" without running."""
+    sources = [program for program in programs if program is not None]
+    runs = iter(run_programs(sources, timeout_s))
+    results = []
+    for program in programs:
+        if program is None:
+            results.append({"output": "Error: no tool call to run", "status": "error"})
+            continue
+        run = next(runs)
+        text = run["output"].rstrip()
+        if run["status"] == "passed":
+            results.append({"output": text, "status": "ok"})
+        elif run["status"] == "timeout":
+            message = f"TimeoutError: the call ran longer than {timeout_s:g} s"
+            results.append({"output": message, "status": "timeout"})
+        else:
+            # a traceback's last line names the error, a kill leaves none
+            lines = text.splitlines() or [f"Error: exit status {run['returncode']}"]
+            results.append({"output": lines[-1], "status": "error"})
+    return results
+
+
 def _code_result(program: str, run: dict) -> dict:
     compiled = bool(program.strip()) and run["status"] != "syntax_error"
     result = _result(program if compiled else None, run["passed"])
