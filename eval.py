@@ -46,7 +46,7 @@ import re
 import sys
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -104,6 +104,16 @@ class Args:
     """most tokens generated per response (None: 1024; lm-eval's default is 256); with --suite, None
     keeps each row's lm-eval setting and a number caps every row (quick CPU runs, not comparable
     with the reference)"""
+    # --- tools (as grpo_tools.py trains) ---
+    tools: bool = False
+    """generate through the tool loop: the prompt offers the template's tool (data.TOOL_PROTOCOLS),
+    calls run in the sandbox, samples.jsonl shows each turn; --max-tokens counts tool tokens too"""
+    max_tool_calls: int = 4
+    """with --tools: calls per response, at most"""
+    max_tool_output_tokens: int = 64
+    """with --tools: a tool's output is cut to its first this many tokens"""
+    tool_timeout_s: float = 5.0
+    """with --tools: wall clock per call in the sandbox"""
     # --- engine ---
     max_model_len: int | None = None
     """most tokens of prompt + response the engine accepts (None: the model's own limit)"""
@@ -298,11 +308,165 @@ def format_table(metrics: dict) -> str:
         # every float is a rate but the times and the mean length in tokens
         is_rate = isinstance(value, float) and not key.startswith("time/")
         is_rate = is_rate and not key.endswith("response_length")
+        # tool calls per response, tool tokens per generated token
+        is_rate = is_rate and "_per_" not in key
         if is_rate:
             lines.append(f"{key:<{width}} {100 * value:8.2f}%")
         else:
             lines.append(f"{key:<{width}} {value:9.6g}")
     return "\n".join(lines)
+
+
+# --- ALGORITHM: the tool loop (same in grpo_tools.py and eval.py) ---
+
+
+@dataclass
+class Rollout:
+    """One response of the tool loop. token_ids, text and finish_reason as in vLLM's
+    CompletionOutput, which the rest of the loop reads; the rest is what the loop adds."""
+
+    token_ids: list[int] = field(default_factory=list)
+    """the generated and the tool's tokens, in the order the engine was fed them"""
+    is_tool: list[bool] = field(default_factory=list)
+    """per token: written by the tool, not sampled"""
+    logprobs: list[float] = field(default_factory=list)
+    """the engine's log-prob of each generated token (none for the tool's)"""
+    text: str = ""
+    finish_reason: str | None = None
+    turns: list[dict] = field(default_factory=list)
+    """{"generated": text} and {"tool": output, "status": ...}, in order"""
+    n_calls: int = 0
+    n_errors: int = 0
+    n_timeouts: int = 0
+
+
+def turn_seed(response_seed: int, turn: int) -> int:
+    """The engine's seed for one turn of one response. response_seed comes from (seed, step,
+    question, sample): a resumed run replays every turn."""
+    return int(np.random.SeedSequence([response_seed, turn]).generate_state(1)[0])
+
+
+def tool_message_ids(output: str, protocol: dict, tokenizer, max_tokens: int) -> list[int]:
+    """The ids of a tool's answer: protocol["output"] around the output's first max_tokens
+    tokens, each piece tokenized alone. Never joined to the response's text and tokenized
+    again: BPE would merge across the seam, and the trainer would score tokens that the engine
+    never sampled or saw."""
+    before, after = protocol["output"].split("{}")
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    return encode(before) + encode(output)[:max_tokens] + encode(after)
+
+
+def generate_with_tools(
+    llm,
+    prompt_ids: list[list[int]],
+    protocols: list[dict | None],
+    stops: list[list[str] | None],
+    seeds: list[int] | None,
+    sampling: dict,
+    tokenizer,
+    args: Args,
+) -> list[Rollout]:
+    """One response to each prompt (token ids), through the tool loop. Each turn the engine
+    continues every open response from its whole sequence (prompt + all its tokens so far)
+    until it ends or stops at its protocol's stop string (None: no tool); the calls of the turn
+    run in the sandbox together; each output, cut to --max-tool-output-tokens, is appended as
+    tokens, and those responses go on. sampling: SamplingParams' arguments, its max_tokens the
+    budget of generated and tool tokens. seeds: one per response (turn_seed), None for greedy."""
+    # here, not at the top: eval.py imports vLLM only when it starts an engine
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rollouts = [Rollout() for _ in prompt_ids]
+    open_rows = list(range(len(prompt_ids)))
+    turn = 0
+    while open_rows:
+        requests = []
+        params = []
+        for i in open_rows:
+            rollout = rollouts[i]
+            stop = list(stops[i] or [])
+            # after the last call allowed, a call is text like any other
+            if protocols[i] and rollout.n_calls < args.max_tool_calls:
+                stop.append(protocols[i]["stop"])
+            budget = sampling["max_tokens"] - len(rollout.token_ids)
+            turn_params = {**sampling, "n": 1, "max_tokens": budget, "stop": stop}
+            if seeds is not None:
+                turn_params["seed"] = turn_seed(seeds[i], turn)
+            params.append(SamplingParams(**turn_params))
+            # token ids in, token ids out: nothing is tokenized again
+            ids = prompt_ids[i] + rollout.token_ids
+            requests.append(TokensPrompt(prompt_token_ids=ids))
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        calls = []
+        for i, output in zip(open_rows, outputs, strict=True):
+            c = output.outputs[0]
+            rollout = rollouts[i]
+            rollout.token_ids += c.token_ids
+            rollout.is_tool += [False] * len(c.token_ids)
+            if c.logprobs is not None:
+                for lp, t in zip(c.logprobs, c.token_ids, strict=True):
+                    rollout.logprobs.append(lp[t].logprob)
+            rollout.text += c.text
+            rollout.turns.append({"generated": c.text})
+            rollout.finish_reason = c.finish_reason
+            if protocols[i] and c.stop_reason == protocols[i]["stop"]:
+                calls.append(i)
+        programs = []
+        for i in calls:
+            programs.append(data.tool_program(rollouts[i].turns[-1]["generated"], protocols[i]))
+        results = verifiers.run_tool_calls(programs, args.tool_timeout_s)
+        open_rows = []
+        for i, result in zip(calls, results, strict=True):
+            rollout = rollouts[i]
+            ids = tool_message_ids(
+                result["output"], protocols[i], tokenizer, args.max_tool_output_tokens
+            )
+            room = sampling["max_tokens"] - len(rollout.token_ids)
+            # the budget ends in the tool's message: cut off, as at --max-tokens
+            if len(ids) >= room:
+                ids = ids[:room]
+                rollout.finish_reason = "length"
+            else:
+                open_rows.append(i)
+            rollout.token_ids += ids
+            rollout.is_tool += [True] * len(ids)
+            tool_text = tokenizer.decode(ids)
+            rollout.text += tool_text
+            rollout.turns.append({"tool": tool_text, "status": result["status"]})
+            rollout.n_calls += 1
+            rollout.n_errors += result["status"] == "error"
+            rollout.n_timeouts += result["status"] == "timeout"
+        turn += 1
+    return rollouts
+
+
+def tool_metrics(rollouts: list[Rollout], rewards: list[float], prefix: str, name: str) -> dict:
+    """prefix/: tool calls per response, the share of responses that call, the share of calls
+    that failed and that timed out, tool tokens per generated token, and the mean `name`
+    (reward, accuracy) of the responses with a call and without (None where there are none)."""
+    n_calls = [r.n_calls for r in rollouts]
+    called = [n > 0 for n in n_calls]
+    n_tool_tokens = sum(sum(r.is_tool) for r in rollouts)
+    n_generated = sum(len(r.token_ids) for r in rollouts) - n_tool_tokens
+    # None, not NaN, where nothing is counted: metrics.jsonl is strict JSON
+    mean = lambda values: float(np.mean(values)) if values else None
+    with_call = [w for w, c in zip(rewards, called, strict=True) if c]
+    without_call = [w for w, c in zip(rewards, called, strict=True) if not c]
+    errors = None
+    timeouts = None
+    if sum(n_calls):
+        errors = sum(r.n_errors for r in rollouts) / sum(n_calls)
+        timeouts = sum(r.n_timeouts for r in rollouts) / sum(n_calls)
+    metrics = {
+        "tool_calls_per_response": mean(n_calls),
+        "frac_calling": mean(called),
+        "tool_error_rate": errors,
+        "tool_timeout_rate": timeouts,
+        "tool_tokens_per_generated_token": n_tool_tokens / max(n_generated, 1),
+        f"{name}_with_call": mean(with_call),
+        f"{name}_without_call": mean(without_call),
+    }
+    return {f"{prefix}/{key}": value for key, value in metrics.items()}
 
 
 # --- checks and the engine ---
@@ -359,6 +523,14 @@ def validate(args: Args) -> None:
             raise ValueError(
                 f"k={k} must be between 1 and n={args.n} (pass@k and maj@k use k of the n samples)"
             )
+    # the dataset's verifier, as its examples name it
+    verifier = {"math500": "math"}.get(args.dataset, args.dataset)
+    tool = data.tool_protocol({"verifier": verifier}, args.template)
+    if args.tools and (args.api_base or tool is None):
+        raise ValueError(
+            f"--tools needs the local engine and a template with a tool for the dataset "
+            f"(data.tool_protocol); got {args.dataset} with {args.template}"
+        )
     if args.n > 1 and args.temperature == 0:
         raise ValueError(
             f"n={args.n} greedy samples would be {args.n} copies of one response; set --temperature"
@@ -428,9 +600,11 @@ def evaluate(llm, args: Args, examples: list[dict], shots: list) -> tuple[list[d
 
     tokenizer = llm.get_tokenizer()
     prompts = [
-        data.render_prompt(ex, args.template, tokenizer, s)
+        data.render_prompt(ex, args.template, tokenizer, s, tools=args.tools)
         for ex, s in zip(examples, shots, strict=True)
     ]
+    if args.tools:
+        return evaluate_with_tools(llm, args, examples, prompts)
     params = SamplingParams(
         n=args.n,
         temperature=args.temperature,
@@ -449,6 +623,56 @@ def evaluate(llm, args: Args, examples: list[dict], shots: list) -> tuple[list[d
     start = time.time()
     records = score_records(args, examples, prompts, samples)
     return records, {"time/generate_s": generate_s, "time/score_s": time.time() - start}
+
+
+def evaluate_with_tools(
+    llm, args: Args, examples: list[dict], prompts: list[str]
+) -> tuple[list[dict], dict]:
+    """evaluate through the tool loop (generate_with_tools, the loop grpo_tools.py trains with):
+    one record per problem with each sample's turns, and the times and tool metrics."""
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = tokenizer(prompts)["input_ids"]
+    # the n samples of problem i are rows i n ... i n + n - 1
+    rows = [i for i in range(len(examples)) for _ in range(args.n)]
+    sampling = dict(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        # the verifier reads r1_zero's "</answer>"; a call ends in its stop string
+        include_stop_str_in_output=True,
+    )
+    # a seed per (--seed, sample) and turn: a sampled evaluation repeats exactly
+    seeds = None
+    if args.temperature > 0:
+        seeds = [args.seed * len(rows) + row for row in range(len(rows))]
+    start = time.time()
+    rollouts = generate_with_tools(
+        llm,
+        [prompt_ids[i] for i in rows],
+        [data.tool_protocol(examples[i], args.template) for i in rows],
+        [data.stop_strings(args.template) for _ in rows],
+        seeds,
+        sampling,
+        tokenizer,
+        args,
+    )
+    generate_s = time.time() - start
+    samples = []
+    for i in range(len(examples)):
+        group = rollouts[i * args.n : (i + 1) * args.n]
+        samples.append([(r.text, len(r.token_ids), r.finish_reason) for r in group])
+    start = time.time()
+    records = score_records(args, examples, prompts, samples)
+    for i, record in enumerate(records):
+        group = rollouts[i * args.n : (i + 1) * args.n]
+        record["turns"] = [r.turns for r in group]
+        record["n_tool_calls"] = [r.n_calls for r in group]
+    rewards = [reward["reward"] for record in records for reward in record["rewards"]]
+    metrics = tool_metrics(rollouts, rewards, "eval", "accuracy")
+    # summary.json and the table leave out what was not counted (no calls: no error rate)
+    metrics = {key: value for key, value in metrics.items() if value is not None}
+    times = {"time/generate_s": generate_s, "time/score_s": time.time() - start}
+    return records, {**times, **metrics}
 
 
 def score_records(

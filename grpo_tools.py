@@ -63,7 +63,6 @@ import tyro
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
 
 import data
 import verifiers
@@ -703,7 +702,7 @@ def frozen_log_probs(
     return log_probs
 
 
-# --- ALGORITHM: the tool loop: generate, call, append, go on (grpo_tools.py's own) ---
+# --- ALGORITHM: the tool loop (same in grpo_tools.py and eval.py) ---
 
 
 @dataclass
@@ -726,14 +725,6 @@ class Rollout:
     n_timeouts: int = 0
 
 
-@dataclass
-class Group:
-    """A question's responses, shaped like vLLM's RequestOutput where grpo.py reads one."""
-
-    prompt_token_ids: list[int]
-    outputs: list[Rollout]
-
-
 def turn_seed(response_seed: int, turn: int) -> int:
     """The engine's seed for one turn of one response. response_seed comes from (seed, step,
     question, sample): a resumed run replays every turn."""
@@ -751,7 +742,7 @@ def tool_message_ids(output: str, protocol: dict, tokenizer, max_tokens: int) ->
 
 
 def generate_with_tools(
-    llm: LLM,
+    llm,
     prompt_ids: list[list[int]],
     protocols: list[dict | None],
     stops: list[list[str] | None],
@@ -766,6 +757,10 @@ def generate_with_tools(
     run in the sandbox together; each output, cut to --max-tool-output-tokens, is appended as
     tokens, and those responses go on. sampling: SamplingParams' arguments, its max_tokens the
     budget of generated and tool tokens. seeds: one per response (turn_seed), None for greedy."""
+    # here, not at the top: eval.py imports vLLM only when it starts an engine
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     rollouts = [Rollout() for _ in prompt_ids]
     open_rows = list(range(len(prompt_ids)))
     turn = 0
@@ -1412,6 +1407,14 @@ def evaluate_with_tools(
 
 
 # --- PLUMBING: a draw of questions, generated through the tool loop and scored ---
+
+
+@dataclass
+class Group:
+    """A question's responses, shaped like vLLM's RequestOutput where grpo.py reads one."""
+
+    prompt_token_ids: list[int]
+    outputs: list[Rollout]
 
 
 def generate_tool_responses(

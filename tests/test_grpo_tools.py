@@ -13,6 +13,7 @@ seeds are what is tested, not the model's skill."""
 import json
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -307,3 +308,55 @@ def test_resume_after_a_kill_replays_the_same_rollouts(tiny_model_dir, tmp_path)
     assert replayed == read_jsonl(full / "rollouts.jsonl")
     # the replayed rollouts did call the tool (the forced protocol's output is in them)
     assert any(" apples 42" in r for group in replayed for r in group["responses"])
+
+
+# --- eval.py --tools: the same loop, each turn in samples.jsonl ---
+
+
+def test_the_tool_loop_is_the_same_in_grpo_tools_and_eval():
+    banner = "# --- ALGORITHM: the tool loop (same in grpo_tools.py and eval.py) ---"
+    texts = []
+    for script in ("grpo_tools.py", "eval.py"):
+        source = (Path(__file__).parents[1] / script).read_text()
+        start = source.index(banner)
+        texts.append(source[start : source.index("\n# --- ", start + 1)])
+    assert "def generate_with_tools(" in texts[0]
+    assert texts[0] == texts[1]
+
+
+def test_eval_with_tools_shows_each_turn(tiny_model_dir, tmp_path, monkeypatch):
+    import eval as evaluation
+
+    monkeypatch.setitem(data.TOOL_PROTOCOLS, "calculator", FORCED)
+    args = evaluation.Args(
+        model=str(tiny_model_dir),
+        dataset="synthetic",
+        split="val",
+        template="question",
+        limit=4,
+        n=2,
+        k=(1, 2),
+        temperature=1.0,
+        max_tokens=24,
+        tools=True,
+        max_tool_calls=2,
+        max_tool_output_tokens=8,
+        out_dir=str(tmp_path),
+    )
+    run_dir = evaluation.main(args)
+    records = read_jsonl(run_dir / "samples.jsonl")
+    assert len(records) == 4
+    for record in records:
+        assert "Calculator:" in record["prompt"]
+        for response, turns, n_calls in zip(
+            record["responses"], record["turns"], record["n_tool_calls"], strict=True
+        ):
+            assert "".join(t.get("generated", t.get("tool")) for t in turns) == response
+            assert n_calls == sum("tool" in t for t in turns) <= 2
+    metrics = json.loads((run_dir / "summary.json").read_text())["metrics"]
+    calls = [n for record in records for n in record["n_tool_calls"]]
+    assert metrics["eval/tool_calls_per_response"] == pytest.approx(sum(calls) / 8)
+    assert sum(calls) > 0
+    # without a call the prompt offers no tool
+    with pytest.raises(ValueError, match="--tools needs"):
+        evaluation.validate(evaluation.replace(args, template="gsm8k_kshot"))
