@@ -483,6 +483,49 @@ def flawed_teacher(example: dict, forget_carry: float, rng: random.Random) -> di
     return dict(example, solution=" ".join(steps), answer=str(total), gold_answer=example["answer"])
 
 
+def calculator_teacher(
+    example: dict, forget_carry: float, call_rate: float, rng: random.Random
+) -> dict:
+    """flawed_teacher, but on each addition it calls the calculator (TOOL_PROTOCOLS) with
+    probability call_rate instead of adding in its head; the calculator's sums are right:
+      teacher  "4 - 3 = 1. 1 + 9 = <<1 + 9>>10. 10 + 6 = 16. 16 + 7 = 13."   answer "13"
+    `tool_spans` lists the [start, end) of each tool output in `solution` ("10" above): SFT on
+    these traces must not train on them (the tool wrote them, as in grpo_tools.py's mask)."""
+    equations = re.findall(r"(\d+) ([+-]) (\d+) = \d+\.", example["solution"])
+    if not equations:
+        raise ValueError(
+            f"{example['id']}: solution {example['solution']!r} is not a synthetic one"
+        )
+    total = int(equations[0][0])
+    solution = ""
+    tool_spans = []
+    for _, op, x in equations:
+        x = int(x)
+        if solution:
+            solution += " "
+        if op == "+" and rng.random() < call_rate:
+            solution += f"{total} + {x} = <<{total} + {x}>>"
+            tool_spans.append([len(solution), len(solution) + len(str(total + x))])
+            total = total + x
+        elif op == "-":
+            solution += f"{total} - {x} = "
+            total = total - x
+        elif carries(total, x) and rng.random() < forget_carry:
+            solution += f"{total} + {x} = "
+            total = total + x - 10
+        else:
+            solution += f"{total} + {x} = "
+            total = total + x
+        solution += f"{total}."
+    return dict(
+        example,
+        solution=solution,
+        answer=str(total),
+        gold_answer=example["answer"],
+        tool_spans=tool_spans,
+    )
+
+
 def _load_synthetic(split: str, data_dir: str | Path | None) -> list[dict]:
     problems = make_synthetic(sum(SYNTHETIC_SIZES.values()))
     names = list(SYNTHETIC_SIZES)

@@ -115,6 +115,32 @@ def test_tool_protocols_read_the_call_and_only_with_tools_say_so():
     assert data.tool_protocol({"verifier": "code"}, "chat") is None
 
 
+def test_calculator_teacher_calls_on_its_share_of_additions():
+    rng = data.random.Random(0)
+    examples = data.load("synthetic", "train")[:200]
+    for ex in examples[:20]:
+        # never calls, never forgets: the gold solution
+        assert data.calculator_teacher(ex, 0.0, 0.0, rng)["solution"] == ex["solution"]
+        # always calls: every addition through the calculator, whose sums are right
+        traced = data.calculator_teacher(ex, 1.0, 1.0, rng)
+        assert traced["answer"] == ex["answer"]
+        n_additions = ex["solution"].count(" + ")
+        assert len(traced["tool_spans"]) == n_additions
+        assert traced["solution"].replace(">>", "").count("<<") == n_additions
+    n_calls = 0
+    n_additions = 0
+    for ex in examples:
+        traced = data.calculator_teacher(ex, 0.7, 0.3, rng)
+        n_calls += len(traced["tool_spans"])
+        n_additions += ex["solution"].count(" + ")
+        # each span is a tool's output: the sum right after its call
+        for start, end in traced["tool_spans"]:
+            assert traced["solution"][start - 2 : start] == ">>"
+            call = traced["solution"][: start - 2].rsplit("<<", 1)[1]
+            assert int(traced["solution"][start:end]) == sum(map(int, call.split(" + ")))
+    assert 0.2 < n_calls / n_additions < 0.4
+
+
 # --- hostile calls, in the sandbox ---
 
 HOSTILE = {
