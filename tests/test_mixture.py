@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import interrupted_at_call
+from conftest import interrupted_at_call, plant_right_in_score_batch
 from transformers import AutoTokenizer
 
 import data
@@ -441,8 +441,9 @@ def assert_within_4_sigma(counts):
 @pytest.fixture(scope="module")
 def grpo_curriculum_run(small_splits, tiny_model_dir, shared_data, tmp_path_factory):
     """GRPO, 2 steps of 48 questions x 2 responses, MBPP in a fixed order (its 64 ids backwards),
-    real verifiers: stopped during step 2 (after step 1's checkpoint), then resumed in a fresh draw
-    memory, as a new process."""
+    real verifiers, with gold solutions planted in place of even-length responses
+    (conftest.plant_right_in_score_batch: a mix of right and wrong to recount): stopped during step
+    2 (after step 1's checkpoint), then resumed in a fresh draw memory, as a new process."""
     tmp_path = tmp_path_factory.mktemp("grpo_mixture")
     order = [ex["id"] for ex in data.load("mbpp", "train", shared_data)][::-1]
     (tmp_path / "mbpp_order.txt").write_text("\n".join(order) + "\n")
@@ -461,12 +462,14 @@ def grpo_curriculum_run(small_splits, tiny_model_dir, shared_data, tmp_path_fact
             curriculum=[f"mbpp={tmp_path / 'mbpp_order.txt'}"],
         )
     )
-    # once a step: step 2 dies after writing its rollouts
-    with interrupted_at_call(grpo, "write_rollouts", 2):
-        grpo.main(args)
-    (run_dir,) = (tmp_path / "runs").iterdir()
-    data._DRAWN.clear()
-    assert grpo.main(replace(args, resume=str(run_dir))) == run_dir
+    with pytest.MonkeyPatch.context() as mp:
+        plant_right_in_score_batch(mp)
+        # once a step: step 2 dies after writing its rollouts
+        with interrupted_at_call(grpo, "write_rollouts", 2):
+            grpo.main(args)
+        (run_dir,) = (tmp_path / "runs").iterdir()
+        data._DRAWN.clear()
+        assert grpo.main(replace(args, resume=str(run_dir))) == run_dir
     return run_dir, order
 
 
@@ -483,6 +486,11 @@ def test_grpo_on_a_four_way_mixture_draws_by_weight_and_logs_each_task(
     # exactly the draws of data.mixture_questions_...
     assert counts == expected_counts(48, seed=1, steps=[0, 1])
     assert_within_4_sigma(counts)  # ... which follow the weights: 96 draws, e.g. gsm8k 38.4 +- 19.2
+    # a mix of right and wrong in each task the gold was planted in, or the recount proves little
+    for name in ("gsm8k", "math", "mbpp"):
+        rewards = [r for row in rollouts if row["dataset"] == name for r in row["rewards"]]
+        print(f"{name}: {sum(rewards):.0f} right of {len(rewards)}")
+        assert 0 < sum(rewards) < len(rewards), name
     for step, m in zip([1, 2], metrics[1:], strict=True):
         rows = [row for row in rollouts if row["step"] == step]
         assert m["rollout/reward_mean"] == pytest.approx(
@@ -520,13 +528,10 @@ def test_curriculum_order_continues_across_a_resume(grpo_curriculum_run):
 def test_expert_iteration_on_a_four_way_mixture(
     small_splits, tiny_model_dir, shared_data, tmp_path, monkeypatch
 ):
-    """2 EI steps of 48 questions x 2 responses. The reward is a stand-in (1 iff the response has an
-    even number of characters; see test_expert_iter.py): a random tiny model solves nothing, and
-    something must be kept."""
-    parity = lambda responses, examples: [
-        {"reward": float(len(r) % 2 == 0), "format_reward": 1.0} for r in responses
-    ]
-    monkeypatch.setattr(verifiers, "score_batch", parity)
+    """2 EI steps of 48 questions x 2 responses, the real verifiers: a random tiny model solves
+    nothing, so even-length responses to GSM8K, MATH and MBPP are scored as their gold solutions
+    (conftest.plant_right_in_score_batch), and something is kept."""
+    plant_right_in_score_batch(monkeypatch)
     run_dir = expert_iter.main(
         expert_iter.Args(
             **run_settings(
@@ -545,6 +550,7 @@ def test_expert_iteration_on_a_four_way_mixture(
         )
     )
     metrics, kept = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "kept.jsonl")
+    train = {(name, ex["id"]): ex for name in NAMES for ex in data.load(name, "train", shared_data)}
     # what was drawn
     counts = [sum(m[f"rollout/{name}/count"] for m in metrics[1:]) for name in NAMES]
     assert counts == expected_counts(48, seed=1, steps=[0, 1])
@@ -560,6 +566,13 @@ def test_expert_iteration_on_a_four_way_mixture(
             )
         drawn = [m[f"rollout/{name}/reward_mean"] for name in NAMES if m[f"rollout/{name}/count"]]
         assert all(0 <= r <= 1 for r in drawn)
+        # the kept rows are the step's right answers, once per question: the real verifier
+        # accepts each one's planted gold (even length) or, for IFEval, the response itself
+        for row in kept_here:
+            example = train[row["dataset"], row["id"]]
+            planted = len(row["response"]) % 2 == 0 and row["verifier"] != "ifeval"
+            response = data.render_response(example, "question") if planted else row["response"]
+            assert verifiers.score_batch([response], [example])[0]["reward"] == 1.0, row["id"]
     assert {row["dataset"] for row in kept} <= set(NAMES) and len(
         {row["dataset"] for row in kept}
     ) >= 3
