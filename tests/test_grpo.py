@@ -9,8 +9,8 @@ uninterrupted one does, non-finite updates are skipped and then stop the run.
 The tiny model's weights are random, so the real verifier gives reward 0 to every response: every
 group would have zero variance, no gradient, and the loop would train nothing. The end-to-end tests
 therefore replace verifiers.score with `letter_reward` (the share of letters in the response), which
-random text scores unevenly and a policy learns to raise within a few steps. That tests the loop's
-mechanics, not the verifier (tests/test_verifiers.py does that).
+random text scores unevenly. That tests the loop's mechanics, not the verifier
+(tests/test_verifiers.py does that) nor learning (tests/test_grpo_learns.py does that).
 """
 
 import json
@@ -840,6 +840,45 @@ def test_reload_check_is_exact_and_covers_every_weight(llm, tiny_model_dir, monk
     assert grpo.weights_that_differ(policy, llm, "cpu") == []
 
 
+@pytest.mark.parametrize("stale", ["self_attn.q_proj", "mlp.down_proj"])
+def test_a_stale_linear_weight_is_caught_by_the_probe(stale, llm, tiny_model_dir, monkeypatch):
+    """On a CPU the engine keeps its linear weights in oneDNN, where the read-back cannot see them
+    (weights_that_differ checks 1-D weights only there): a linear weight left out of a reload is
+    caught by the log-prob probe alone. The trainer moves it by one Adam step at the tests' lr
+    of 1e-2 (every entry by 1e-2, in a random direction); the reload leaves it out. Measured gaps
+    (AVX-512): q_proj 0.036, down_proj 0.0081, vs the CPU tolerance of 1e-3: asserted above
+    3x it. A ten times smaller step is near the limit: q_proj 0.022, down_proj 0.0014 (caught, by
+    1.4x the tolerance); smaller ones of one matrix alone would pass."""
+    policy = grpo.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tokenizer = grpo.AutoTokenizer.from_pretrained(tiny_model_dir)
+    probe = grpo.make_probe_prompts(tokenizer, ["Tom has 12 apples. He buys 30 more. 12 + 30 = 42"])
+    assert grpo.reload_and_check(policy, llm, probe, "cpu", 1e-3) <= 1e-5
+    name = f"model.layers.1.{stale}.weight"
+    weight = policy.get_parameter(name)
+    assert weight.dim() == 2
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        weight.add_(1e-2 * torch.randn(weight.shape, generator=g).sign())
+    real_rpc = llm.collective_rpc
+    drop = lambda weights: [(n, t) for n, t in weights if n != name]
+    rpc = lambda method, kwargs=None: real_rpc(
+        method, kwargs=kwargs and {"weights_iterator": drop(kwargs["weights_iterator"])}
+    )
+    with monkeypatch.context() as m:
+        m.setattr(llm, "collective_rpc", rpc)
+        grpo.load_policy_into_vllm(policy, llm, "cpu")
+        # the read-back does not see it...
+        assert grpo.weights_that_differ(policy, llm, "cpu") == []
+        gap = grpo.probe_gap(policy, llm, probe, "cpu")
+        print(f"stale {name}: probe gap {gap:.3g}")
+        # ...the probe does, with a margin
+        assert gap > 3e-3
+        with pytest.raises(RuntimeError, match="does not follow.*differ \\[\\].*log-prob gap"):
+            grpo.reload_and_check(policy, llm, probe, "cpu", 1e-3)
+    # reloaded whole, the engine follows again
+    assert grpo.reload_and_check(policy, llm, probe, "cpu", 1e-3) <= 1e-5
+
+
 @pytest.mark.usefixtures("small_train_split")
 def test_engine_weights_change_and_follow_the_policy_every_step(
     tiny_model_dir, tmp_path, monkeypatch
@@ -896,10 +935,6 @@ def test_engine_weights_change_and_follow_the_policy_every_step(
             "time/reload",
             "rollout/tokens_per_second",
         } <= set(m)
-    # The reward rose: the policy writes more letters after 6 steps (measured: 0.65 0.66 0.69 0.71
-    # 0.75 0.75).
-    rewards = [m["rollout/reward_mean"] for m in steps]
-    assert sum(rewards[-2:]) > sum(rewards[:2]), rewards
     assert "eval/accuracy" in metrics[0] and "eval/accuracy" in steps[-1]
 
     rollouts = read_jsonl(run_dir / "rollouts.jsonl")
@@ -972,8 +1007,9 @@ def test_resume_ends_where_an_uninterrupted_run_does(tiny_model_dir, tmp_path, m
             run / "checkpoints" / "step_000002", dtype=torch.float32
         )
         final[name] = model.state_dict()
+    # bit for bit, as the docs say
     for key, value in final["full"].items():
-        assert torch.allclose(final["resumed"][key], value, atol=1e-6), key
+        assert torch.equal(final["resumed"][key], value), key
     start = grpo.AutoModelForCausalLM.from_pretrained(
         tiny_model_dir, dtype=torch.float32
     ).state_dict()

@@ -1,12 +1,13 @@
 """A script as tests launch it with torchrun: `torchrun ... tests/under_torchrun.py grpo --its
 --args`. The letter-share reward (a random model's groups carry a signal), 256 synthetic train
 problems; and, when FAIL is "die" or "hang", rank FAIL_RANK kills or stops itself at its FAIL_AT-th
-reward call, as a rank would that crashed or hung."""
+reward call, as a rank would that crashed or hung (printing the time it stopped)."""
 
 import importlib
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import tyro
@@ -22,6 +23,8 @@ def letter_reward(response, example):
     calls.append(1)
     failing = os.environ.get("FAIL") and int(os.environ["FAIL_RANK"]) == int(os.environ["RANK"])
     if failing and len(calls) == int(os.environ["FAIL_AT"]):
+        # stderr: the scripts send a rank other than 0's stdout to /dev/null
+        print(f"rank {os.environ['RANK']} stops at {time.time():.3f}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL if os.environ["FAIL"] == "die" else signal.SIGSTOP)
     reward = sum(c.isalpha() for c in response) / max(len(response), 1)
     return {"reward": reward, "format_reward": 0.0, "answer_reward": reward}
