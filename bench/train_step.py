@@ -8,12 +8,15 @@ backward; gradient clipping and one AdamW step per batch. For each microbatch si
     tokens/s   trained tokens (prompt + response) per second over the timed steps
     MFU        6 x parameters x tokens/s over the device's bf16 dense peak (--peak-tflops; H100 SXM: 989); on a CPU,
                over a MEASURED float32 peak: the best of a few 2048 x 2048 matmuls (cpu_matmul_tflops)
-    peak GiB   torch.cuda.max_memory_allocated (GPU), or the process's peak RSS (CPU)
+    peak GiB   torch.cuda.max_memory_allocated (GPU), or the process's peak RSS (CPU), over the timed steps
+    added GiB  that peak less what was resident before them (the weights, AdamW's state): what a step's
+               microbatches add, the logits above all (--log-probs full keeps a (B, T, V) float32 copy)
 
     python -m bench.train_step                                  # GPU: Qwen3-1.7B shape, microbatch 1, 2, 4, 8
     python -m bench.train_step --gradient-checkpointing
     python -m bench.train_step --shape tiny --seq-len 128       # no GPU: a small shape on the CPU
     python -m bench.train_step --shape 25m --seq-len 160 --microbatch-sizes 32   # the issue's 25M row's microbatch
+    python -m bench.train_step --shape tiny --microbatch-sizes 1 --accumulation 1 --steps 1 --log-probs full
 
 It needs torch and transformers only, so it runs on a GPU machine where vLLM is not installed.
 """
@@ -22,9 +25,11 @@ import math
 import resource
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import tyro
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 SHAPES = {  # Qwen3-1.7B-Base's config.json (1.72e9 parameters, tied embeddings); "tiny" for a CPU
@@ -84,6 +89,10 @@ class Args:
     """timed optimizer steps per microbatch size, after one warm-up step"""
     accumulation: int = 4
     """microbatches per optimizer step"""
+    log_probs: str = "chunked"
+    """chunked (grpo.py's get_response_log_probs) | full (a (B, T, V) log_softmax kept for the backward)"""
+    chunk_size: int = 256
+    """positions per chunk of the output layer, with --log-probs chunked"""
     peak_tflops: float | None = None
     """the device's bf16 dense peak, for MFU (default: 989 on an H100 or H200; on a CPU,
     cpu_matmul_tflops)"""
@@ -106,7 +115,33 @@ def cpu_matmul_tflops(n: int = 2048, repeats: int = 5) -> float:
 def peak_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return proc_status_gib("VmHWM")
+
+
+def current_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**30
+    return proc_status_gib("VmRSS")
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start the peak over: CUDA's allocator statistics, or on Linux the process's peak RSS
+    (VmHWM; writing 5 to clear_refs resets it). Elsewhere the CPU peak is the process's."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif Path("/proc/self/clear_refs").exists():
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def proc_status_gib(key: str) -> float:
+    """VmHWM (peak RSS) or VmRSS from /proc/self/status, in GiB; off Linux, ru_maxrss."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    for line in status.read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 2**20  # kB
+    raise KeyError(key)
 
 
 def microbatch_backward(
@@ -115,25 +150,59 @@ def microbatch_backward(
     response_mask: torch.Tensor,
     advantages: torch.Tensor,
     n_batch_tokens: int,
+    log_probs_mode: str = "chunked",
+    chunk_size: int = 256,
 ) -> torch.Tensor:
     """One microbatch of grpo.py's update, this file's copy: ids (B, T + 1), response_mask (B, T)
     over the labels ids[:, 1:], advantages (B,). Log-probs, the clipped surrogate at ratio 1 (one
     optimizer step per batch: the old policy is this one) summed over the response tokens / the
-    batch's, backward; returns the summed token entropy (grpo.py logs its mean), on the device."""
+    batch's, backward; returns the summed token entropy (grpo.py logs its mean), on the device.
+
+    log_probs_mode "chunked" is grpo.py's get_response_log_probs: the output layer on chunk_size
+    positions at a time, each under checkpoint, so that autograd keeps no (B, T, V) tensor; "full"
+    is the plain computation it replaces: the (B, T, V) float32 log_softmax kept for the backward."""
     device_type = ids.device.type
+    labels = ids[:, 1:]  # (B, T)
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
-        logits = model(ids[:, :-1]).logits.float()  # (B, T, V); float32 under autocast too
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T)
-    # in chunks of 1024 positions, as grpo.py: at once, two more (B, T, V) float32 tensors
-    with torch.no_grad():
-        flat = logits.flatten(0, 1)  # (B T, V)
-        entropy = torch.cat(
-            [torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1) for z in flat.split(1024)]
-        )
+        if log_probs_mode == "full":
+            logits = model(ids[:, :-1]).logits.float()  # (B, T, V); float32 under autocast too
+            log_probs = torch.log_softmax(logits, dim=-1).gather(-1, labels[..., None]).squeeze(-1)
+            with torch.no_grad():
+                entropy = chunk_entropy(logits.flatten(0, 1))  # (B T,)
+        else:
+            hidden = model.base_model(ids[:, :-1], use_cache=False).last_hidden_state.flatten(0, 1)
+            head = model.get_output_embeddings()
+            parts = [
+                checkpoint(chunk_log_probs, h, y, head, use_reentrant=False)
+                for h, y in zip(
+                    hidden.split(chunk_size), labels.flatten().split(chunk_size), strict=True
+                )
+            ]
+            log_probs = torch.cat([p[0] for p in parts]).view_as(labels)  # (B, T)
+            entropy = torch.cat([p[1] for p in parts])  # (B T,)
     ratio, a = torch.exp(log_probs - log_probs.detach()), advantages[:, None]  # (B, T), (B, 1)
     per_token = -torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a)  # (B, T); cliprange 0.2
     ((per_token * response_mask).sum() / n_batch_tokens).backward()
     return (entropy.view_as(log_probs) * response_mask).sum()
+
+
+def chunk_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """(N, V) -> (N,), in chunks of 1024 positions, as grpo.py: at once, two more (N, V) tensors."""
+    parts = [
+        torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1) for z in logits.split(1024)
+    ]
+    return torch.cat(parts)
+
+
+def chunk_log_probs(
+    hidden: torch.Tensor, labels: torch.Tensor, head
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: hidden states (n, H), labels (n,) -> log-probs (n,), entropy (n,) without a gradient."""
+    logits = head(hidden).float()  # (n, V)
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, labels[:, None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = chunk_entropy(logits)
+    return log_probs, entropy
 
 
 def train_steps(
@@ -150,7 +219,15 @@ def train_steps(
                 0, model.config.vocab_size, (microbatch_size, args.seq_len + 1), device=device
             )
             advantages = torch.randn(microbatch_size, device=device)
-            microbatch_backward(model, ids, response_mask, advantages, n_batch_tokens)
+            microbatch_backward(
+                model,
+                ids,
+                response_mask,
+                advantages,
+                n_batch_tokens,
+                args.log_probs,
+                args.chunk_size,
+            )
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -175,9 +252,9 @@ def main(args: Args) -> list[dict]:
     print(
         f"{name}, torch {torch.__version__}: {args.shape} ({n_params / 1e9:.3f}e9 parameters), sequences of "
         f"{args.seq_len} tokens, {args.accumulation} microbatches a step, gradient checkpointing "
-        f"{'on' if args.gradient_checkpointing else 'off'}"
+        f"{'on' if args.gradient_checkpointing else 'off'}, log-probs {args.log_probs}"
     )
-    print(f"{'microbatch':>10} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
+    print(f"{'microbatch':>10} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'added GiB':>9}")
     rows = []
     for microbatch_size in args.microbatch_sizes:
         try:
@@ -185,6 +262,10 @@ def main(args: Args) -> list[dict]:
             train_steps(model, optimizer, args, microbatch_size, 1, device)
             if device.type == "cuda":
                 torch.cuda.synchronize()
+            # the weights and AdamW's state are resident now: the steps' peak above them is
+            # what their microbatches add
+            reset_peak(device)
+            resident = current_gib(device)
             start = time.perf_counter()
             tokens = train_steps(model, optimizer, args, microbatch_size, args.steps, device)
             if device.type == "cuda":
@@ -202,15 +283,15 @@ def main(args: Args) -> list[dict]:
                 tokens_per_s=tokens_per_s,
                 mfu=mfu,
                 peak_gib=peak_gib(device),
+                added_gib=peak_gib(device) - resident,
             )
         )
         mfu_text = f"{mfu:.1%}" if mfu is not None else "-"
         print(
-            f"{microbatch_size:>10} {tokens_per_s:>10.0f} {mfu_text:>6} {rows[-1]['peak_gib']:>9.1f}",
+            f"{microbatch_size:>10} {tokens_per_s:>10.0f} {mfu_text:>6} {rows[-1]['peak_gib']:>9.2f}"
+            f" {rows[-1]['added_gib']:>9.2f}",
             flush=True,
         )
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
     return rows
 
 
