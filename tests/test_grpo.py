@@ -1133,7 +1133,7 @@ def test_checkpoints_beyond_the_newest_are_deleted_and_resume_uses_the_newest(
     (tmp_path / "checkpoints" / "step_000005.tmp").mkdir()
     assert [p.name for p in grpo.checkpoints(tmp_path)] == ["step_000003", "step_000004"]
     fresh = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-    assert grpo.resume_from(tmp_path, fresh) == {"step": 4, "n_updates": 8}
+    assert grpo.resume_from(tmp_path, policy, fresh) == {"step": 4, "n_updates": 8}
     # the optimizer state of the newest checkpoint
     assert fresh.state_dict()["state"][0]["step"].item() == 4
     # 0: keep them all
