@@ -68,9 +68,25 @@ class Args:
     distill: bool = False
     """also SFT on the gold solutions (a teacher that carries right) and distill it into the SFT
     checkpoint"""
+    tools: bool = False
+    """also the tool row: a teacher that calls the calculator on --call-rate of its additions, SFT
+    on its traces, then grpo_tools.py from there (beside grpo.py's row, the same steps)"""
+    call_rate: float = 0.3
+    """with --tools: the share of the teacher's additions done by the calculator"""
 
 
-STAGES = ("base", "teacher", "sft", "expert_iter", "grpo", "gold_sft", "distill")
+STAGES = (
+    "base",
+    "teacher",
+    "sft",
+    "expert_iter",
+    "grpo",
+    "gold_sft",
+    "distill",
+    "tools_teacher",
+    "tools_sft",
+    "grpo_tools",
+)
 LABELS = {
     "base": "base (random init)",
     "teacher": "teacher's traces (train split)",
@@ -79,8 +95,14 @@ LABELS = {
     "grpo": "GRPO from SFT",
     "gold_sft": "SFT on the gold solutions (distill's teacher)",
     "distill": "distillation from SFT",
+    "tools_teacher": "calculator teacher's traces (train split)",
+    "tools_sft": "SFT on the calculator traces",
+    "grpo_tools": "GRPO with the calculator, from that SFT",
 }
 TRACES = "teacher_traces.jsonl"  # in the run folder: sft.py's --sft-file
+TOOL_TRACES = "tool_teacher_traces.jsonl"
+# the stages that are evaluated with the tool loop (eval.py --tools)
+TOOL_STAGES = ("tools_sft", "grpo_tools")
 CARRY = re.compile(r"(-?\d+) \+ (\d+) = (-?\d+)\.")  # "17 + 5 = 22." in a worked solution
 # every script: the same task and prompt
 SHARED = ["--dataset", "synthetic", "--template", "question"]
@@ -147,6 +169,17 @@ def stage_commands(
             *["--model", sft_checkpoint, *common],
             *["--n-grpo-steps", str(args.grpo_steps), *LENGTHS, *grpo],
         ],
+        # sft_checkpoint: the tools_sft one here
+        "tools_sft": [
+            "sft.py",
+            *["--model", base, *common, "--exp-name", "tools_sft"],
+            *["--sft-file", str(run_dir / TOOL_TRACES), *n_examples, *sft],
+        ],
+        "grpo_tools": [
+            "grpo_tools.py",
+            *["--model", sft_checkpoint, *common],
+            *["--n-grpo-steps", str(args.grpo_steps), *LENGTHS, *grpo],
+        ],
     }
 
 
@@ -168,6 +201,33 @@ def write_teacher_traces(args: Args, run_dir: Path) -> tuple[float, float | None
             row = {
                 "prompt": prompt,
                 "response": response,
+                "answer": example["answer"],
+                "verifier": "synthetic",
+            }
+            f.write(json.dumps(row) + "\n")
+            responses.append(response)
+    return n_right / args.sft_examples, carries_right(responses)
+
+
+def write_tool_traces(args: Args, run_dir: Path) -> tuple[float, float | None]:
+    """tool_teacher_traces.jsonl: data.calculator_teacher's traces of the train split, the prompt
+    offering the calculator, each row with `tool_spans`, the [start, end) of every tool output in
+    the response, which SFT must not train on. Returns the fraction of right answers and of right
+    carries made in the head."""
+    rng = random.Random(args.seed)
+    n_right = 0
+    responses = []
+    with open(run_dir / TOOL_TRACES, "w") as f:
+        for example in data.load("synthetic", "train")[: args.sft_examples]:
+            traced = data.calculator_teacher(example, args.forget_carry, args.call_rate, rng)
+            n_right += traced["answer"] == example["answer"]
+            response = data.render_response(traced, "question")
+            # the "question" response is "\n" + the solution + ...
+            offset = response.index(traced["solution"])
+            row = {
+                "prompt": data.render_prompt(traced, "question", tools=True),
+                "response": response,
+                "tool_spans": [[a + offset, b + offset] for a, b in traced["tool_spans"]],
                 "answer": example["answer"],
                 "verifier": "synthetic",
             }
@@ -249,6 +309,9 @@ def evaluate(
     right, wall time)."""
     out = run_dir / "eval" / name
     limit = [] if args.n_test is None else ["--limit", str(args.n_test)]
+    # a tool stage is measured the way it was trained
+    if name in TOOL_STAGES:
+        limit.append("--tools")
     cmd = [
         "eval.py",
         "--model",
@@ -282,7 +345,11 @@ def curves(run_dir: Path, stage: str) -> dict[str, list[tuple[int, float]]]:
     """(step, value) series of a stage's metrics.jsonl: eval accuracy (greedy, val split) and
     rollout reward."""
     records = read_metrics(find_one(f"{stage}__*", run_dir))
-    reward_key = {"expert_iter": "rollout/accuracy", "grpo": "rollout/reward_mean"}.get(stage)
+    reward_key = {
+        "expert_iter": "rollout/accuracy",
+        "grpo": "rollout/reward_mean",
+        "grpo_tools": "rollout/reward_mean",
+    }.get(stage)
     return {
         "eval accuracy (val, greedy)": [
             (r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r
@@ -320,6 +387,41 @@ def plot(run_dir: Path, results: dict) -> Path:
     return path
 
 
+def plot_tools(run_dir: Path, results: dict) -> Path:
+    """ladder_tools.png: GRPO with the calculator beside GRPO without it: eval accuracy against
+    step, and the share of responses that call the calculator (greedy on val, sampled in the
+    rollouts)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no window
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for stage in ("grpo", "grpo_tools"):
+        points = curves(run_dir, stage)["eval accuracy (val, greedy)"]
+        steps, values = zip(*points, strict=True)
+        label = f"{LABELS[stage]} (test {results[stage]['accuracy']:.1%})"
+        left.plot(steps, values, marker="o", markersize=3, label=label)
+    records = read_metrics(find_one("grpo_tools__*", run_dir))
+    for key, label in (
+        ("eval/frac_calling", "calling, val (greedy)"),
+        ("rollout/frac_calling", "calling, rollouts (sampled)"),
+    ):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        steps, values = zip(*points, strict=True)
+        right.plot(steps, values, marker="o", markersize=3, label=label)
+    left.set_ylabel("eval accuracy (val)")
+    right.set_ylabel("share of responses that call")
+    for ax in (left, right):
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = run_dir / "ladder_tools.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def table(results: dict) -> str:
     rows = ["| stage | accuracy | carries right | wall time |", "|---|---|---|---|"]
     for stage in [stage for stage in STAGES if stage in results]:
@@ -344,7 +446,14 @@ def main(args: Args) -> dict:
     if results_path.exists():
         saved = json.loads(results_path.read_text())
         args, results = (
-            Args(**{**saved["args"], "resume": args.resume, "distill": args.distill}),
+            Args(
+                **{
+                    **saved["args"],
+                    "resume": args.resume,
+                    "distill": args.distill,
+                    "tools": args.tools,
+                }
+            ),
             saved["results"],
         )
         where = saved.get("machine", where)
@@ -379,6 +488,19 @@ def main(args: Args) -> dict:
             checkpoint = find_one(f"{stage}__*/checkpoints/step_*", run_dir)
             accuracy, carries, eval_seconds = evaluate(args, checkpoint, run_dir, stage)
             finish(stage, accuracy, carries, seconds + eval_seconds)
+    if args.tools and "tools_teacher" not in results:
+        start = time.time()
+        finish("tools_teacher", *write_tool_traces(args, run_dir), time.time() - start)
+    for stage in TOOL_STAGES if args.tools else ():
+        if stage not in results:
+            sft_checkpoint = "<after tools_sft>"
+            if stage == "grpo_tools":
+                sft_checkpoint = str(find_one("tools_sft__*/checkpoints/step_*", run_dir))
+            cmds = stage_commands(args, run_dir, sft_checkpoint)
+            seconds = run(cmds[stage], run_dir / f"{stage}.log", stage_env(args))
+            checkpoint = find_one(f"{stage}__*/checkpoints/step_*", run_dir)
+            accuracy, carries, eval_seconds = evaluate(args, checkpoint, run_dir, stage)
+            finish(stage, accuracy, carries, seconds + eval_seconds)
 
     print(
         f"\nladder, seed {args.seed}; accuracy on the synthetic test split (greedy; the teacher's: train split)"
@@ -387,6 +509,8 @@ def main(args: Args) -> dict:
     print(f"{where['cpu']} ({' '.join(where['isa'])}), {pins}")
     print(table(results))
     print(f"wrote {results_path} and {plot(run_dir, results)}")
+    if "grpo_tools" in results:
+        print(f"wrote {plot_tools(run_dir, results)}")
     return results
 
 
