@@ -94,6 +94,22 @@ class Args:
     """the engine's share of its GPU; None: 0.85 alone, 0.3 shared"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, about 30% more time"""
+    lora_rank: int = 0
+    """rank r of LoRA adapters on a frozen base (bf16 on a GPU); 0: full fine-tuning"""
+    lora_alpha: float = 32.0
+    """the adapters' output is scaled by lora_alpha / lora_rank"""
+    lora_layers: list[str] = field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+    """the linear layers that get an adapter: every one of attention and MLP"""
     # --- data ---
     dataset: str = "gsm8k"
     """gsm8k | math | mbpp | ifeval | synthetic, or a mixture: gsm8k:0.5,math:0.5"""
@@ -246,7 +262,7 @@ def get_response_log_probs(
     labels: torch.Tensor,
     return_token_entropy: bool = False,
     temperature: float = 1.0,
-    chunk_size: int = 512,
+    chunk_size: int = 256,
 ) -> dict[str, torch.Tensor]:
     """log p(labels[t] | input_ids[:t+1]) for (B, T) ids: {"log_probs": (B, T)}, and with
     return_token_entropy {"token_entropy": (B, T)}. The logits are divided by `temperature`,
@@ -263,7 +279,9 @@ def get_response_log_probs(
     log_probs = []
     entropies = []
     for h, y in zip(hidden_chunks, label_chunks, strict=True):
-        log_p, entropy = checkpoint(chunk_log_probs, h, y, head, temperature, use_reentrant=False)
+        log_p, entropy = checkpoint(
+            chunk_log_probs, h, y, head, temperature, return_token_entropy, use_reentrant=False
+        )
         log_probs.append(log_p)
         entropies.append(entropy)
     out = {"log_probs": torch.cat(log_probs).view(labels.shape)}
@@ -273,14 +291,20 @@ def get_response_log_probs(
 
 
 def chunk_log_probs(
-    hidden: torch.Tensor, labels: torch.Tensor, head, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head,
+    temperature: float,
+    return_token_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
-    label's log-prob (n,) and the entropy (n,), without a gradient."""
+    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
     # float32 even under bf16 autocast
     logits = head(hidden).float() / temperature  # (n, V)
     log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
     log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
+    if not return_token_entropy:
+        return log_probs, None
     # last: the backward's recomputation stops before it
     with torch.no_grad():
         entropy = compute_entropy(logits)
@@ -338,6 +362,68 @@ def optimizer_step(
         warnings.warn(f"gradient norm {grad_norm} is not finite: update skipped", stacklevel=2)
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, n_bad_in_a_row
+
+
+# --- ALGORITHM: LoRA, low-rank adapters (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen linear layer W plus a trained low-rank update (Hu et al. 2021, "LoRA"):
+    y = W x + (alpha / r) B A x, A (r, d_in) random, B (d_out, r) zero, so that until the
+    first update the layer is W exactly. Only A and B get gradients, and so AdamW state."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.scale = alpha / rank
+        d_in = base.in_features
+        device = base.weight.device
+        # float32 over a bf16 base too: AdamW's small steps would round away in bf16
+        a = torch.rand(rank, d_in, device=device) * 2 - 1  # uniform in [-1, 1)
+        self.lora_A = torch.nn.Parameter(a / math.sqrt(d_in))
+        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (..., d_in) -> (..., r) -> (..., d_out): the (d_out, d_in) product is never made
+        update = (x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T
+        out = self.base(x)
+        return out + (self.scale * update).to(out.dtype)
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + (alpha / r) B A, (d_out, d_in), in W's dtype: the layer as one linear."""
+        delta = self.scale * self.lora_B @ self.lora_A
+        weight = self.base.weight
+        return (weight.float() + delta).to(weight.dtype).detach()
+
+
+def add_lora(model, rank: int, alpha: float, layers: list[str]) -> None:
+    """Freeze every weight of the model, then wrap each linear layer whose name is in
+    `layers` (q_proj, ..., down_proj) in a LoRALinear, in place."""
+    model.requires_grad_(False)
+    found = set()
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name in layers and isinstance(child, torch.nn.Linear):
+                setattr(module, name, LoRALinear(child, rank, alpha))
+                found.add(name)
+    # a misspelt layer would train nothing and say nothing
+    if set(layers) - found:
+        raise ValueError(f"no linear layer named {sorted(set(layers) - found)} in the model")
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights under their Hugging Face names, each adapter merged into its layer:
+    what the engine, the reload check and a checkpoint get. Without adapters: state_dict()."""
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            # q_proj.base.weight, q_proj.lora_A, q_proj.lora_B -> q_proj.weight
+            for key in [k for k in state if k.startswith(f"{name}.")]:
+                del state[key]
+            state[f"{name}.weight"] = module.merged_weight()
+            if module.base.bias is not None:
+                state[f"{name}.bias"] = module.base.bias.detach()
+    return state
 
 
 # --- ALGORITHM: group-normalised advantages (same in grpo.py and distill.py) ---
@@ -1064,8 +1150,16 @@ def main(args: Args) -> Path:
     max_model_len = max(task.longest_prompt(), 400) + max(args.max_tokens, args.eval_max_tokens, 16)
     # the engine first: it starts only if its share of the GPU is free; the trainer gets the rest
     llm = init_vllm(model_path, vllm_device, args.seed, memory_fraction, max_model_len)
+    # LoRA: adapters on the starting model, also after --resume (resume_from restores them)
+    policy_path = args.model if args.lora_rank else model_path
     policy, autocast = load_policy(
-        model_path, policy_device, args.gradient_checkpointing, args.seed
+        policy_path,
+        policy_device,
+        args.gradient_checkpointing,
+        args.seed,
+        args.lora_rank,
+        args.lora_alpha,
+        args.lora_layers,
     )
     # the KL's reference: the starting model, also after --resume
     reference = None
@@ -1091,7 +1185,7 @@ def main(args: Args) -> Path:
     n_minibatches = args.rollout_batch_size // args.train_batch_size
     updates_per_step = n_minibatches * args.epochs_per_rollout_batch
     n_updates = args.n_grpo_steps * updates_per_step
-    start_step = resume_from(run_dir, optimizer, "rollouts.jsonl")["step"]
+    start_step = resume_from(run_dir, policy, optimizer, "rollouts.jsonl")["step"]
     log = make_logger(run_dir, args)
     # the engine follows from step 0 on
     gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)
@@ -1517,8 +1611,8 @@ def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
     """Copy the trainer's weights into the running engine, and drop its prefix cache: the
     cached keys and values were computed with the old weights."""
     dtype = llm.llm_engine.model_config.dtype
-    # state_dict(), not named_parameters(): that one leaves out a tied lm_head.weight
-    weights = [(name, t.detach().to(dtype)) for name, t in policy.state_dict().items()]
+    # a state dict, not named_parameters(): that one leaves out a tied lm_head.weight
+    weights = [(name, t.detach().to(dtype)) for name, t in merged_state_dict(policy).items()]
     with engine_device(device):
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if not llm.reset_prefix_cache():
@@ -1538,7 +1632,7 @@ def weights_that_differ(policy, llm: LLM, device: str) -> list[str]:
     the engine's dtype (every 64th row; a fused weight stacks the trainer's parts): exact in
     bf16 too. On CPU the engine keeps linear weights in oneDNN (empty here): skipped."""
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-    state = policy.state_dict()
+    state = merged_state_dict(policy)
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         return t if t.dim() == 1 else t[::64]
@@ -1763,17 +1857,34 @@ def canonical_device(device: str) -> str:
     return str(d)
 
 
-def load_policy(model_path: str, device: str, gradient_checkpointing: bool, seed: int):
+def load_policy(
+    model_path: str,
+    device: str,
+    gradient_checkpointing: bool,
+    seed: int,
+    lora_rank: int = 0,
+    lora_alpha: float = 32.0,
+    lora_layers: list[str] | None = None,
+):
     """Seed, make the trainer's GPU current (the engine set its own), load the model in
-    float32 in train mode: returns (model, autocast), bf16 autocast on a GPU."""
+    float32 in train mode: returns (model, autocast), bf16 autocast on a GPU. With lora_rank
+    r > 0: the model frozen, bf16 on a GPU (no float32 copy, no gradient, no AdamW state),
+    with rank-r adapters on lora_layers."""
     torch.manual_seed(seed)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
-    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device)
+    dtype = torch.float32
+    if lora_rank and device.startswith("cuda"):
+        dtype = torch.bfloat16
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    if lora_rank:
+        add_lora(policy, lora_rank, lora_alpha, lora_layers)
     # from_pretrained returns eval mode, in which gradient checkpointing is silently off
     policy.train()
     if gradient_checkpointing:
         policy.gradient_checkpointing_enable()
+    n_trained = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    print(f"trained parameters: {n_trained:,}")
     if device.startswith("cuda"):
         return policy, torch.autocast("cuda", torch.bfloat16)
     return policy, contextlib.nullcontext()
@@ -1788,19 +1899,25 @@ def checkpoints(run_dir: Path) -> list[Path]:
 def save_checkpoint(
     run_dir: Path, step: int, policy, tokenizer, optimizer, n_updates: int, keep: int
 ) -> None:
-    """checkpoints/step_N: a Hugging Face model folder, and trainer_state.pt with the
-    optimizer and the count of its updates (no RNG state: all that is random derives from
-    (seed, step)). Written as step_N.tmp, then renamed: a kill mid-save loses nothing.
-    Keeps the newest `keep` checkpoints (0: all)."""
+    """checkpoints/step_N: a Hugging Face model folder (LoRA's adapters merged in), and
+    trainer_state.pt with the optimizer, the count of its updates and the adapters (no RNG
+    state: all that is random derives from (seed, step)). Written as step_N.tmp, then
+    renamed: a kill mid-save loses nothing. Keeps the newest `keep` checkpoints (0: all)."""
     if RANK != 0:
         # every rank holds the same weights
         return
     final = run_dir / "checkpoints" / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)
+    policy.save_pretrained(tmp, state_dict=merged_state_dict(policy))
     tokenizer.save_pretrained(tmp)
-    state = {"step": step, "n_updates": n_updates, "optimizer": optimizer.state_dict()}
+    state = {
+        "step": step,
+        "n_updates": n_updates,
+        "optimizer": optimizer.state_dict(),
+        # LoRA's A and B: the merged weights alone cannot be split back
+        "adapters": {k: v for k, v in policy.state_dict().items() if ".lora_" in k},
+    }
     torch.save(state, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -1809,16 +1926,19 @@ def save_checkpoint(
             shutil.rmtree(old)
 
 
-def resume_from(run_dir: Path, optimizer, *record_files: str) -> dict:
-    """Restore the newest checkpoint's optimizer; returns its {"step", "n_updates"} (zeros
-    without a checkpoint). Records written after it are dropped (by a rename: a crash
-    leaves each file whole)."""
+def resume_from(run_dir: Path, policy, optimizer, *record_files: str) -> dict:
+    """Restore the newest checkpoint's optimizer and LoRA adapters; returns its {"step",
+    "n_updates"} (zeros without a checkpoint). Records written after it are dropped (by a
+    rename: a crash leaves each file whole)."""
     if not checkpoints(run_dir):
         return {"step": 0, "n_updates": 0}
     newest = checkpoints(run_dir)[-1]
     # to the CPU first: a GPU run's state must not all land on the GPU it was saved from
     state = torch.load(newest / "trainer_state.pt", map_location="cpu", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
+    # onto the starting model: the policy was loaded from --model, not from the merged weights
+    if state.get("adapters"):
+        policy.load_state_dict(state["adapters"], strict=False)
     for name in ("metrics.jsonl", "generations.jsonl", *record_files):
         path = run_dir / name
         if path.exists() and RANK == 0:
@@ -1920,11 +2040,13 @@ def sum_over_ranks(model, *tensors: torch.Tensor) -> None:
     if not RANK_GROUP:
         return
     dist.monitored_barrier(RANK_GROUP["group"], RANK_GROUP["timeout"])
-    for p in model.parameters():
+    # with LoRA: the adapters
+    trained = [p for p in model.parameters() if p.requires_grad]
+    for p in trained:
         if p.grad is None:
             # a rank with no rows in this minibatch
             p.grad = torch.zeros_like(p)
-    for tensor in [p.grad for p in model.parameters()] + list(tensors):
+    for tensor in [p.grad for p in trained] + list(tensors):
         dist.all_reduce(tensor)
 
 

@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ["sft.py", "expert_iter.py", "grpo.py", "distill.py"]
+SCRIPTS = ["sft.py", "expert_iter.py", "grpo.py", "distill.py", "grpo_tools.py"]
+# A variant is a copy of its parent with a changed loop: it carries each of the parent's shared
+# blocks as they are, but for the ones it replaces by a block of its own (another banner).
+VARIANTS = {"grpo_tools.py": "grpo.py"}
 # A banner at any indentation: the steps inside main that every script shares are checked too.
 BANNER = re.compile(r"^\s*# --- .*---$")
 
@@ -73,6 +76,16 @@ def test_shared_block_is_identical_in_every_script_it_names(title, named):
     first = texts[named[0]]
     for script in named[1:]:
         assert texts[script] == first, f"{title}: {script} differs from {named[0]}"
+
+
+@pytest.mark.parametrize(("variant", "parent"), VARIANTS.items())
+def test_a_variant_carries_its_parents_shared_blocks(variant, parent):
+    """Each block the parent shares with every other training script (the vocabulary, the
+    learning rate, the engine, the run folder) is in the variant, character for character."""
+    theirs = blocks(variant)
+    for title, named in shared_blocks():
+        if parent in named and len(named) >= 4:
+            assert theirs.get(title) == blocks(parent)[title], f"{variant}: {title}"
 
 
 @pytest.mark.parametrize(("a", "b"), list(combinations(SCRIPTS, 2)))
