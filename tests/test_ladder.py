@@ -25,7 +25,9 @@ def test_ladder_runs_every_stage_and_resumes(tmp_path, monkeypatch):
     results = ladder.main(args)
     (run_dir,) = tmp_path.glob("ladder__3__*")
 
-    assert list(results) == list(ladder.STAGES)
+    # every stage but the tool row's, which runs with --tools
+    not_run = ("tools_teacher", *ladder.TOOL_STAGES)
+    assert list(results) == [stage for stage in ladder.STAGES if stage not in not_run]
     for stage in ("base", "sft", "expert_iter", "grpo", "gold_sft", "distill"):
         (summary,) = (run_dir / "eval" / stage).glob("*/summary.json")
         metrics = json.loads(summary.read_text())["metrics"]
