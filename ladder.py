@@ -183,54 +183,36 @@ def stage_commands(
     }
 
 
-def write_teacher_traces(args: Args, run_dir: Path) -> tuple[float, float | None]:
+def write_teacher_traces(
+    args: Args, run_dir: Path, tools: bool = False
+) -> tuple[float, float | None]:
     """teacher_traces.jsonl, sft.py's --sft-file: the flawed teacher's worked solutions of the
     synthetic train split, each row with the gold answer (so `sft.py --filter-correct` could drop
-    the wrong ones). Returns the fraction of traces whose final answer is right, and of their
-    carries."""
-    rng = random.Random(args.seed)
-    n_right, responses = 0, []
-    with open(run_dir / TRACES, "w") as f:
-        for example in data.load("synthetic", "train")[: args.sft_examples]:
-            traced = data.flawed_teacher(example, args.forget_carry, rng)
-            n_right += traced["answer"] == example["answer"]
-            prompt, response = (
-                data.render_prompt(traced, "question"),
-                data.render_response(traced, "question"),
-            )
-            row = {
-                "prompt": prompt,
-                "response": response,
-                "answer": example["answer"],
-                "verifier": "synthetic",
-            }
-            f.write(json.dumps(row) + "\n")
-            responses.append(response)
-    return n_right / args.sft_examples, carries_right(responses)
-
-
-def write_tool_traces(args: Args, run_dir: Path) -> tuple[float, float | None]:
-    """tool_teacher_traces.jsonl: data.calculator_teacher's traces of the train split, the prompt
-    offering the calculator, each row with `tool_spans`, the [start, end) of every tool output in
-    the response, which SFT must not train on. Returns the fraction of right answers and of right
-    carries made in the head."""
+    the wrong ones). With tools, tool_teacher_traces.jsonl: data.calculator_teacher's traces, the
+    prompt offering the calculator, each row with `tool_spans`, the [start, end) of every tool
+    output in the response, which SFT must not train on. Returns the fraction of traces whose
+    final answer is right, and of their carries (made in the head)."""
     rng = random.Random(args.seed)
     n_right = 0
     responses = []
-    with open(run_dir / TOOL_TRACES, "w") as f:
+    with open(run_dir / (TOOL_TRACES if tools else TRACES), "w") as f:
         for example in data.load("synthetic", "train")[: args.sft_examples]:
-            traced = data.calculator_teacher(example, args.forget_carry, args.call_rate, rng)
+            if tools:
+                traced = data.calculator_teacher(example, args.forget_carry, args.call_rate, rng)
+            else:
+                traced = data.flawed_teacher(example, args.forget_carry, rng)
             n_right += traced["answer"] == example["answer"]
             response = data.render_response(traced, "question")
-            # the "question" response is "\n" + the solution + ...
-            offset = response.index(traced["solution"])
             row = {
-                "prompt": data.render_prompt(traced, "question", tools=True),
+                "prompt": data.render_prompt(traced, "question", tools=tools),
                 "response": response,
-                "tool_spans": [[a + offset, b + offset] for a, b in traced["tool_spans"]],
                 "answer": example["answer"],
                 "verifier": "synthetic",
             }
+            if tools:
+                # the "question" response is "\n" + the solution + ...
+                offset = response.index(traced["solution"])
+                row["tool_spans"] = [[a + offset, b + offset] for a, b in traced["tool_spans"]]
             f.write(json.dumps(row) + "\n")
             responses.append(response)
     return n_right / args.sft_examples, carries_right(responses)
@@ -490,7 +472,9 @@ def main(args: Args) -> dict:
             finish(stage, accuracy, carries, seconds + eval_seconds)
     if args.tools and "tools_teacher" not in results:
         start = time.time()
-        finish("tools_teacher", *write_tool_traces(args, run_dir), time.time() - start)
+        finish(
+            "tools_teacher", *write_teacher_traces(args, run_dir, tools=True), time.time() - start
+        )
     for stage in TOOL_STAGES if args.tools else ():
         if stage not in results:
             sft_checkpoint = "<after tools_sft>"
