@@ -1535,8 +1535,23 @@ def read_sft_file(path: str, fields: tuple[str, ...] = ("prompt", "response")) -
             _field(row, key, where, str if key in ("prompt", "response") else object)
         if "verifier" in fields and row["verifier"] == "code":
             _field(row, "tests", where)  # a program is checked by running its tests
+        if "tool_spans" in row:
+            _check_tool_spans(row, where)
         rows.append(row)
     return rows
+
+
+def _check_tool_spans(row: dict, where: str) -> None:
+    """tool_spans: [start, end) character spans of the response, in order, not overlapping."""
+    end_before = 0
+    for span in _field(row, "tool_spans", where, list):
+        ok = isinstance(span, list) and len(span) == 2 and all(type(c) is int for c in span)
+        if not ok or not end_before <= span[0] <= span[1] <= len(row["response"]):
+            raise DataError(
+                f"{where}: field 'tool_spans' should list [start, end] character spans of the"
+                f" response, in order, within its {len(row['response'])} characters; got {span!r}"
+            )
+        end_before = span[1]
 
 
 def sft_pairs(
@@ -1549,7 +1564,11 @@ def sft_pairs(
         # keep() scores the response again: it needs the gold and the verifier
         fields = ("prompt", "response", "answer", "verifier") if keep else ("prompt", "response")
         rows = read_sft_file(sft_file, fields)
-        pairs = [{"prompt": r["prompt"], "response": r["response"], "example": r} for r in rows]
+        pairs = []
+        for r in rows:
+            pair = {"prompt": r["prompt"], "response": r["response"], "example": r}
+            # a tool's output in the response (ladder.py's calculator traces): out of the loss
+            pairs.append({**pair, "tool_spans": r.get("tool_spans", [])})
         pair_sets = [pairs]
         weights = [1.0]
     else:

@@ -30,6 +30,7 @@ Usage:
 import contextlib
 import copy
 import datetime
+import itertools
 import json
 import math
 import os
@@ -388,6 +389,38 @@ def sft_microbatch_train_step(
     return loss, {"nll_per_sequence": nll.detach()}
 
 
+def tokenize_with_tool_output(batch: list[dict], tokenizer) -> dict[str, torch.Tensor]:
+    """tokenize_prompt_and_output of the batch's "prompt" and "response", where a row may list
+    `tool_spans`: the [start, end) characters of its response that a tool wrote (ladder.py's
+    calculator traces). Those pieces are tokenized apart, as grpo_tools.py appends a tool's
+    output, and leave response_mask: the model reads them, it does not learn to write them. A
+    row without tool_spans gets tokenize_prompt_and_output's ids and mask."""
+    prompt_ids = tokenizer([p["prompt"] for p in batch], add_special_tokens=False)["input_ids"]
+    output_ids = []
+    is_tool = []
+    for p in batch:
+        spans = p.get("tool_spans", [])
+        # cut at each span's start and end: text, tool output, text, ..., tool output, text
+        cuts = [0, *itertools.chain(*spans), len(p["response"])]
+        pieces = [p["response"][a:b] for a, b in itertools.pairwise(cuts)]
+        ids = []
+        tool = []
+        for k, piece in enumerate(tokenizer(pieces, add_special_tokens=False)["input_ids"]):
+            ids += piece
+            tool += [k % 2 == 1] * len(piece)
+        output_ids.append(ids)
+        is_tool.append(tool)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id or 0
+    tokens = collate_token_ids(prompt_ids, output_ids, pad_id)
+    for i, (p, tool) in enumerate(zip(prompt_ids, is_tool, strict=True)):
+        # output token j is the label of column len(p) - 1 + j
+        columns = slice(len(p) - 1, len(p) - 1 + len(tool))
+        tokens["response_mask"][i, columns] &= ~torch.tensor(tool, dtype=torch.bool)
+    return tokens
+
+
 def sft_batch_train_step(
     policy,
     tokenizer,
@@ -399,11 +432,10 @@ def sft_batch_train_step(
 ) -> dict:
     """Accumulate the gradient of a batch's mean NLL per response token, microbatch by
     microbatch (under torchrun: this rank's rows, then summed over the ranks). batch: dicts
-    with "prompt" and "response", each response ending in EOS. Returns the loss, the entropy
-    summed over the response tokens (0 unless `entropy`) and the count of response tokens."""
-    prompts = [p["prompt"] for p in batch]
-    responses = [p["response"] for p in batch]
-    tokens = tokenize_prompt_and_output(prompts, responses, tokenizer)
+    with "prompt" and "response", each response ending in EOS (and maybe "tool_spans"). Returns
+    the loss, the entropy summed over the response tokens (0 unless `entropy`) and the count of
+    response tokens."""
+    tokens = tokenize_with_tool_output(batch, tokenizer)
     # examples longer than max_seq_len are cut at the end
     tokens = {k: v[:, : max_seq_len - 1] for k, v in tokens.items()}  # (B, T)
     n_tokens = tokens["response_mask"].sum().item()

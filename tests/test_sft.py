@@ -73,6 +73,55 @@ def test_mask_covers_exactly_the_output_tokens_real_tokenizer(tiny_model_dir):
     assert out["labels"][1][out["response_mask"][1]][-1].item() == tokenizer.eos_token_id
 
 
+# --- tokenize_with_tool_output: a tool's output is read, not learned ---
+
+
+def test_tool_output_leaves_the_mask_by_hand():
+    tok = CharTokenizer("_abcde", pad_token_id=0, eos_token_id=5)  # _=0 a=1 b=2 c=3 d=4 e=5
+    batch = [
+        # the tool wrote "c" (characters [1, 2) of the response)
+        {"prompt": "a", "response": "bcd", "tool_spans": [[1, 2]]},
+        {"prompt": "ab", "response": "cde"},
+    ]
+    out = sft.tokenize_with_tool_output(batch, tok)
+    assert out["input_ids"].tolist() == [[1, 2, 3, 4], [1, 2, 3, 4]]
+    assert out["labels"].tolist() == [[2, 3, 4, 0], [2, 3, 4, 5]]
+    # row 0's labels b c d: c is the tool's; row 1 has no spans: tokenize_prompt_and_output's mask
+    assert out["response_mask"].tolist() == [[1, 0, 1, 0], [0, 1, 1, 1]]
+    plain = sft.tokenize_prompt_and_output(["ab"], ["cde"], tok)
+    assert out["response_mask"][1].tolist() == plain["response_mask"][0].tolist()
+
+
+def test_tool_output_is_tokenized_apart_as_the_tool_loop_appends_it(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # the model wrote " app", the tool " les": joined, " apples" is one token of its own
+    response = " apples are 2." + tokenizer.eos_token
+    batch = [{"prompt": "Tom has", "response": response, "tool_spans": [[4, 7]]}]
+    out = sft.tokenize_with_tool_output(batch, tokenizer)
+    pieces = [encode(" app"), encode("les"), encode(" are 2." + tokenizer.eos_token)]
+    assert encode(" apples") != pieces[0] + pieces[1]
+    n_prompt = len(encode("Tom has"))
+    assert out["labels"][0, n_prompt - 1 :].tolist() == pieces[0] + pieces[1] + pieces[2]
+    mask = out["response_mask"][0, n_prompt - 1 :].tolist()
+    assert mask == [True] * len(pieces[0]) + [False] * len(pieces[1]) + [True] * len(pieces[2])
+    # the loss's token count leaves the tool's tokens out
+    assert out["response_mask"].sum().item() == len(pieces[0]) + len(pieces[2])
+
+
+@pytest.mark.parametrize("spans", [[[3, 2]], [[0, 2], [1, 3]], [[0, 99]], [[0, "2"]], "0 2"])
+def test_bad_tool_spans_name_the_file_and_line(tmp_path, spans):
+    path = tmp_path / "traces.jsonl"
+    good = {"prompt": "Q", "response": "1 + 2 = <<1 + 2>>3."}
+    bad = {**good, "tool_spans": spans}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(data.DataError, match=r"traces.jsonl, line 2: field 'tool_spans'"):
+        data.read_sft_file(str(path))
+
+
 # --- compute_entropy, masked_normalize, get_response_log_probs ---
 
 
