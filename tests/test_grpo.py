@@ -263,6 +263,22 @@ def test_overlong_penalty_by_hand():
     assert grpo.overlong_penalty(n_tokens, 10, 0, 0.5).tolist() == [0.0] * 5
 
 
+@pytest.mark.parametrize(("share", "expected"), [(0.0, 0.0), (0.5, 0.375), (1.0, 0.75)])
+def test_ifeval_partial_credit_by_hand(share, expected):
+    # an IFEval response following 3 of its 4 instructions (strict reward 0), one following both of
+    # its 2 (reward 1), a GSM8K one (no per-instruction verdicts: its reward as it is); each of 4
+    # tokens, no overlong penalty: (1 - share) * reward + share * followed
+    scores = [
+        {"reward": 0.0, "strict": [True, False, True, True]},
+        {"reward": 1.0, "strict": [True, True]},
+        {"reward": 0.0},
+    ]
+    outputs = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1, 2, 3, 4])] * 3)]
+    args = Args(ifeval_partial_credit=share, max_tokens=8)
+    rewards = grpo.rollout_rewards(scores, outputs, args)
+    assert rewards.tolist() == [expected, 1.0, 0.0]
+
+
 def test_k3_kl():
     # d = log p_ref - log p = ln 2: e^d - d - 1 = 2 - ln 2 - 1 = 0.30685; d = -ln 2: 1/2 + ln 2 - 1
     # = 0.19315.
@@ -672,6 +688,7 @@ def test_questions_of_a_step():
         ),
         ({"temperature": 0.0}, "temperature"),
         ({"lr_schedule": "linear"}, "unknown lr_schedule"),
+        ({"ifeval_partial_credit": 1.5}, "ifeval_partial_credit"),
     ],
 )
 def test_argument_errors_before_the_engine_starts(overrides, message, monkeypatch):
