@@ -1667,6 +1667,11 @@ def resume_from(run_dir: Path, policy, optimizer, *record_files: str) -> dict:
     newest = checkpoints(run_dir)[-1]
     # to the CPU first: a GPU run's state must not all land on the GPU it was saved from
     state = torch.load(newest / "trainer_state.pt", map_location="cpu", weights_only=False)
+    if "n_updates" not in state:
+        raise ValueError(
+            f"{newest}/trainer_state.pt was written by an older version of this script: start a"
+            f" new run from its weights (--model {newest})"
+        )
     optimizer.load_state_dict(state["optimizer"])
     # onto the starting model: the policy was loaded from --model, not from the merged weights
     if state.get("adapters"):

@@ -1115,6 +1115,18 @@ def test_devices_compare_as_devices_not_strings():
     assert devices("cuda:0", "cuda:1", 0.5, 0.2)[2:] == (0.5, 0.2)
 
 
+def test_resume_from_a_checkpoint_of_an_older_version_names_it(tmp_path):
+    # before the plain rewrite, trainer_state.pt held a scheduler and no n_updates
+    newest = tmp_path / "checkpoints" / "step_000010"
+    newest.mkdir(parents=True)
+    policy = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(policy.parameters())
+    state = {"step": 10, "optimizer": optimizer.state_dict(), "scheduler": {}}
+    torch.save(state, newest / "trainer_state.pt")
+    with pytest.raises(ValueError, match=r"step_000010/trainer_state.pt .* older version"):
+        grpo.resume_from(tmp_path, policy, optimizer)
+
+
 def test_resume_restores_the_runs_arguments_and_refuses_conflicting_ones(tmp_path, monkeypatch):
     run = tmp_path / "grpo__1__1"
     run.mkdir()
