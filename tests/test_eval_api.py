@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from transformers import AutoTokenizer
 
 import data
 import eval as eval_script
@@ -319,9 +320,10 @@ def vllm_server(tiny_model_dir):
 # commas" & co.): measured 11 of 64 right and 9 distinct texts, so equal verdicts and equal texts
 # have something to compare (its synthetic or GSM8K answers all score 0). Chat on the synthetic task:
 # the random model writes one same text to every problem there (measured: 1 distinct, all 0), so
-# that row shows the chat request is accepted and parsed (text, token counts, finish), not that the
-# server's chat template is ours: a trained checkpoint would (conftest.flawed_sft_checkpoint, ~1 h
-# on a loaded 2-core machine). Texts equal, measured: 64 of 64 on both (AVX-512, 2 loaded cores).
+# the texts' equality proves little there; the prompt tokens the server counts, equal to our
+# rendering's, show that its chat template renders the message as ours does (were the rendered
+# prompt sent as the message, the server would wrap it twice). Texts equal, measured: 64 of 64 on
+# both rows (AVX-512, 2 loaded cores).
 @pytest.mark.parametrize(
     ("endpoint", "dataset", "template"),
     [("completions", "ifeval", "question"), ("chat", "synthetic", "chat")],
@@ -358,3 +360,9 @@ def test_vllm_serve_gives_the_local_engines_samples(
     for record in same:  # the same text: the same prompt, verdicts, token counts and finish
         for key in ("prompt", "rewards", "n_tokens", "finish_reasons"):
             assert served[record["id"]][key] == record[key], key
+    # the prompt the server tokenized has ours's length: with chat, its template renders the user
+    # message as ours does (the record's "prompt" is our rendering, on both sides)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for record in local:
+        n_prompt = len(tokenizer(record["prompt"], add_special_tokens=False)["input_ids"])
+        assert served[record["id"]]["usage"]["prompt_tokens"] == n_prompt, record["prompt"]
