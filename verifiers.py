@@ -539,7 +539,9 @@ def run_tool_calls(programs: list[str | None], timeout_s: float = CODE_TIMEOUT_S
     error ("timeout" after timeout_s). status: "ok" | "error" | "timeout". None (a call the
     protocol could not read) answers "error" without running."""
     sources = [program for program in programs if program is not None]
-    runs = iter(run_programs(sources, timeout_s))
+    # a call's time is mostly the sandbox's start (namespaces), not CPU: 4 at once per core
+    # (64 calls of `print(1 + 2)` on 2 cores: 58 ms a call with 2 at once, 29 ms with 8)
+    runs = iter(run_programs(sources, timeout_s, n_workers=4 * os.cpu_count()))
     results = []
     for program in programs:
         if program is None:
