@@ -713,7 +713,8 @@ def check_student_and_teacher(args: Args) -> None:
         gpu_bytes = torch.cuda.get_device_properties(policy_device).total_memory
         student = n_parameters(args.model)
         teacher = n_parameters(args.teacher)
-        shortfall = shared_gpu_shortfall(gpu_bytes, engine_share, student, teacher)
+        lora = args.lora_rank > 0
+        shortfall = shared_gpu_shortfall(gpu_bytes, engine_share, student, teacher, lora)
         if shortfall > 0:
             raise ValueError(
                 f"--teacher {args.teacher} does not fit on {policy_device} beside the engine and "
@@ -733,13 +734,19 @@ def n_parameters(model: str) -> int:
 
 
 def shared_gpu_shortfall(
-    gpu_bytes: int, engine_share: float, student_params: int, teacher_params: int
+    gpu_bytes: int,
+    engine_share: float,
+    student_params: int,
+    teacher_params: int,
+    lora: bool = False,
 ) -> float:
     """The bytes missing on one GPU for the engine's share of it; the student in training: float32
-    weights, gradients and AdamW's two moments (16 bytes a parameter) and its activations without
-    gradient checkpointing (~12 bytes a parameter: ~19 GiB for Qwen3-1.7B at --microbatch-size 2
-    and 1024 new tokens); and the teacher in bf16 (2 bytes a parameter). <= 0: it fits."""
-    need = engine_share * gpu_bytes + (16 + 12) * student_params + 2 * teacher_params
+    weights, gradients and AdamW's two moments (16 bytes a parameter; with LoRA the frozen base in
+    bf16, 2 bytes, the adapters' ~2% left out) and its activations without gradient checkpointing
+    (~12 bytes a parameter: ~19 GiB for Qwen3-1.7B at --microbatch-size 2 and 1024 new tokens);
+    and the teacher in bf16 (2 bytes a parameter). <= 0: it fits."""
+    weights = 2 if lora else 16
+    need = engine_share * gpu_bytes + (weights + 12) * student_params + 2 * teacher_params
     return need - gpu_bytes
 
 

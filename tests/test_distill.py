@@ -68,6 +68,10 @@ def test_a_teacher_too_big_for_a_gpu_the_engine_shares_is_refused():
     short = distill.shared_gpu_shortfall(gpu, 0.3, 1_720_000_000, 8_190_000_000)
     assert 4 < short / 2**30 < 5
     assert distill.shared_gpu_shortfall(gpu, 0.3, 1_720_000_000, 4_020_000_000) < 0
+    # with LoRA the student's base is bf16: 2 + 12 bytes a parameter, 22.4 GiB: Qwen3-8B fits, with
+    # 79.6 - 23.9 - 22.4 - 15.3 = 18.0 GiB to spare
+    spare = -distill.shared_gpu_shortfall(gpu, 0.3, 1_720_000_000, 8_190_000_000, lora=True)
+    assert 17.5 < spare / 2**30 < 18.5
 
 
 def test_parameter_count_from_the_config_alone(tiny_model_dir):
