@@ -7,7 +7,9 @@ between seeds.
 Like with like, as test_grpo_learns.py: only the greedy accuracy on one fixed set of problems,
 before and after, is compared; the sampled accuracy of the rollouts is not (each step draws other
 questions). Measured on an AMD EPYC with AVX-512 (no AMX), unpinned, 2 loaded cores: start 0.391
--> after 5 steps 0.836 / 0.836 / 0.824 (seeds 1 / 2 / 3), gains >= 0.434, seed std 0.007. The
+-> after 5 steps 0.836 / 0.836 / 0.824 (seeds 1 / 2 / 3), gains >= 0.434, seed std 0.007. With
+the chunked log-probs, idle cores: pinned to AVX2 0.395 -> 0.793 / 0.781 / 0.785 (gains >= 0.387,
+std 0.006); unpinned 0.402 -> 0.793 / 0.813 / 0.801 (gains >= 0.391, std 0.010). The
 smallest gain is twice the 0.2 asserted and ~10 standard errors of a difference of two accuracies
 on 256 problems (~0.043). Budget: the shared SFT fixture (~3 minutes), then 3 x 5 steps of 256
 questions x 4 responses (~1 minute a seed).

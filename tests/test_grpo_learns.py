@@ -11,6 +11,9 @@ and only the greedy reward on one fixed set of problems, before and after, is co
     seed std 0.030
   AVX-512 + AMX, unpinned: 0.391 -> 0.711 / 0.703 / 0.695, gains >= 0.304, seed std 0.008
   AMD EPYC, AVX-512 without AMX, unpinned: 0.391 -> 0.789 / 0.801 / 0.820
+  the same, with the chunked log-probs (2026-11-26, idle cores): pinned to AVX2 0.395 -> 0.758 /
+    0.758 / 0.762, gains >= 0.363, seed std 0.002; unpinned 0.402 -> 0.770 / 0.773 / 0.785,
+    gains >= 0.367, seed std 0.008 (7 min for both learning tests, SFT fixture included)
 The smallest gain is twice the 0.15 asserted, and ~7 standard errors of a difference of two
 accuracies on 256 problems (~0.043). The sampled reward of the rollouts is not asserted on: each
 step draws new questions, so its steps-6-10-vs-steps-1-2 comparison had a noise of the size of its
