@@ -1466,6 +1466,12 @@ def load_task(args, tokenizer=None, n_questions: int = 0, train: bool = True) ->
     examples, sizes, orders = [], [], []
     if train:
         examples, sizes, orders = load_mixture(names, "train", args.data_dir, order_files)
+    # grpo.py's --ifeval-partial-credit: the training prompts' reward; evaluation stays strict
+    share = getattr(args, "ifeval_partial_credit", 0.0)
+    if share:
+        for ex in examples:
+            if ex["verifier"] == "ifeval":
+                ex["answer"] = {**ex["answer"], "partial_credit": share}
     # a step draws n w / sum(w) on average
     for name, size, weight in zip(names, sizes, weights, strict=False):
         if n_questions * weight / sum(weights) > size:

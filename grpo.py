@@ -164,8 +164,8 @@ class Args:
     mask_truncated: bool = False
     """leave responses cut off at --max-tokens out of the loss (DAPO's overlong filtering)"""
     ifeval_partial_credit: float = 0.0
-    """IFEval prompts: the reward's share paid per instruction followed (0: all or nothing, as
-    lm-eval's prompt-level strict accuracy; 1: the fraction followed). Evaluation stays strict."""
+    """IFEval training prompts: the reward's share paid per instruction followed (0: all or
+    nothing, lm-eval's prompt-level strict; 1: the fraction; data.load_task). Eval stays strict."""
     vllm_importance_sampling_cap: float | None = 2.0
     """truncated IS of the engine's numerics; None: off"""
     # --- eval ---
@@ -484,22 +484,13 @@ def overlong_penalty(
 
 
 def rollout_rewards(scores: list[dict], outputs: list, args: Args) -> torch.Tensor:
-    """Each response's reward (B,): the verifier's, with --ifeval-partial-credit's share of it
-    paid per IFEval instruction followed, plus DAPO's overlong penalty on its length (0 unless
-    --overlong-buffer). outputs: vLLM's, one per question, their responses in order."""
+    """Each response's reward (B,): the verifier's, plus DAPO's overlong penalty on its length
+    (0 unless --overlong-buffer). outputs: vLLM's, one per question, their responses in order."""
     n_tokens = [len(c.token_ids) for output in outputs for c in output.outputs]
     penalties = overlong_penalty(
         torch.tensor(n_tokens), args.max_tokens, args.overlong_buffer, args.overlong_penalty
     )
-    rewards = []
-    for score, penalty in zip(scores, penalties.tolist(), strict=True):
-        reward = score["reward"]
-        # IFEval's verdict on each instruction
-        if "strict" in score:
-            followed = sum(score["strict"]) / len(score["strict"])
-            share = args.ifeval_partial_credit
-            reward = (1 - share) * reward + share * followed
-        rewards.append(reward + penalty)
+    rewards = [s["reward"] + penalty for s, penalty in zip(scores, penalties.tolist(), strict=True)]
     return torch.tensor(rewards, dtype=torch.float32)
 
 

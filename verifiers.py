@@ -760,7 +760,8 @@ def ifeval_reward(response: str, gold: dict) -> dict:
     """gold: {"instruction_id_list": [...], "kwargs": [...]} of one IFEval-style prompt.
 
     reward = 1.0 iff every instruction is followed, strictly (lm-eval's prompt_level_strict_acc);
-    with gold["partial_credit"] = True it is instead the fraction followed (a denser reward).
+    with gold["partial_credit"] = w, w of it is instead paid for the fraction followed (True: all of
+    it; a denser reward: grpo.py's --ifeval-partial-credit sets it on the training prompts).
     `strict` and `loose` hold the per-instruction verdicts. An empty response follows nothing, as in
     the reference.
     """
@@ -771,7 +772,8 @@ def ifeval_reward(response: str, gold: dict) -> dict:
         check = IFEVAL_CHECKERS[instruction_id]
         strict.append(bool(response.strip()) and bool(check(response, kwargs)))
         loose.append(strict[-1] or any(check(text, kwargs) for text in loose_texts[1:]))
-    reward = sum(strict) / len(strict) if gold.get("partial_credit") else float(all(strict))
+    share = float(gold.get("partial_credit", 0))
+    reward = (1 - share) * float(all(strict)) + share * sum(strict) / len(strict)
     return {
         "reward": reward,
         "format_reward": float(bool(response.strip())),

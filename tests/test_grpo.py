@@ -25,7 +25,9 @@ from conftest import interrupted_at_call
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
+import data
 import grpo
+import verifiers
 from grpo import (
     Args,
     aggregate_loss,
@@ -264,19 +266,28 @@ def test_overlong_penalty_by_hand():
 
 
 @pytest.mark.parametrize(("share", "expected"), [(0.0, 0.0), (0.5, 0.375), (1.0, 0.75)])
-def test_ifeval_partial_credit_by_hand(share, expected):
-    # an IFEval response following 3 of its 4 instructions (strict reward 0), one following both of
-    # its 2 (reward 1), a GSM8K one (no per-instruction verdicts: its reward as it is); each of 4
-    # tokens, no overlong penalty: (1 - share) * reward + share * followed
-    scores = [
-        {"reward": 0.0, "strict": [True, False, True, True]},
-        {"reward": 1.0, "strict": [True, True]},
-        {"reward": 0.0},
-    ]
-    outputs = [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1, 2, 3, 4])] * 3)]
-    args = Args(ifeval_partial_credit=share, max_tokens=8)
-    rewards = grpo.rollout_rewards(scores, outputs, args)
-    assert rewards.tolist() == [expected, 1.0, 0.0]
+def test_ifeval_partial_credit_by_hand(share, expected, shared_data):
+    # --ifeval-partial-credit reaches the gold of the training prompts, not of the evaluation's
+    args = Args(
+        dataset="ifeval",
+        template="question",
+        data_dir=str(shared_data),
+        ifeval_partial_credit=share,
+    )
+    task = data.load_task(args)
+    assert all(ex["answer"].get("partial_credit", 0.0) == share for ex in task.train)
+    assert not any("partial_credit" in ex["answer"] for ex in task.evals["ifeval"])
+    # a response following 3 of its 4 instructions (strict reward 0), one following all 4:
+    # (1 - share) * reward + share * followed
+    no_comma = "punctuation:no_comma"
+    gold = {
+        "instruction_id_list": [no_comma, "startend:quotation", no_comma, no_comma],
+        "kwargs": [{}] * 4,
+        "partial_credit": share,
+    }
+    example = {"verifier": "ifeval", "answer": gold}
+    assert verifiers.score("no commas", example)["reward"] == expected
+    assert verifiers.score('"no commas"', example)["reward"] == 1.0
 
 
 def test_k3_kl():
