@@ -9,18 +9,22 @@ backward; gradient clipping and one AdamW step per batch. For each microbatch si
     MFU        6 x parameters x tokens/s over the device's bf16 dense peak (--peak-tflops; H100 SXM: 989); on a CPU,
                over a MEASURED float32 peak: the best of a few 2048 x 2048 matmuls (cpu_matmul_tflops)
     peak GiB   torch.cuda.max_memory_allocated (GPU), or the process's peak RSS (CPU), over the timed steps
+    resident   what was allocated before them: the weights, and after the warm-up step AdamW's state
     added GiB  that peak less what was resident before them (the weights, AdamW's state): what a step's
                microbatches add, the logits above all (--log-probs full keeps a (B, T, V) float32 copy)
 
     python -m bench.train_step                                  # GPU: Qwen3-1.7B shape, microbatch 1, 2, 4, 8
     python -m bench.train_step --gradient-checkpointing
+    python -m bench.train_step --lora-rank 32                   # grpo.py's LoRA: a frozen bf16 base on a GPU
     python -m bench.train_step --shape tiny --seq-len 128       # no GPU: a small shape on the CPU
     python -m bench.train_step --shape 25m --seq-len 160 --microbatch-sizes 32   # the issue's 25M row's microbatch
     python -m bench.train_step --shape tiny --microbatch-sizes 1 --accumulation 1 --steps 1 --log-probs full
 
-It needs torch and transformers only, so it runs on a GPU machine where vLLM is not installed.
+It needs torch and transformers only, so it runs on a GPU machine where vLLM is not installed: with --lora-rank it
+reads grpo.py's LoRALinear and add_lora from grpo.py's source (importing grpo.py would import vLLM).
 """
 
+import ast
 import math
 import resource
 import time
@@ -96,6 +100,23 @@ class Args:
     peak_tflops: float | None = None
     """the device's bf16 dense peak, for MFU (default: 989 on an H100 or H200; on a CPU,
     cpu_matmul_tflops)"""
+    lora_rank: int = 0
+    """rank of grpo.py's LoRA adapters on all seven linear layers, the base frozen (bf16 on a GPU,
+    as grpo.py's load_policy); 0: full fine-tuning"""
+
+
+LORA_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def grpo_lora() -> dict:
+    """grpo.py's LoRALinear and add_lora, compiled from its source: the code that trains, not a
+    copy of it."""
+    path = Path(__file__).resolve().parents[1] / "grpo.py"
+    tree = ast.parse(path.read_text())
+    wanted = [n for n in tree.body if getattr(n, "name", "") in ("LoRALinear", "add_lora")]
+    namespace = {"torch": torch, "math": math}
+    exec(compile(ast.Module(wanted, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace
 
 
 def cpu_matmul_tflops(n: int = 2048, repeats: int = 5) -> float:
@@ -243,18 +264,32 @@ def main(args: Args) -> list[dict]:
         name = f"CPU ({torch.get_num_threads()} threads; measured float32 matmul peak {peak:.3f} TFLOP/s)"
     torch.manual_seed(0)
     config = Qwen3Config(**SHAPES[args.shape], max_position_embeddings=max(4096, args.seq_len))
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    # a step's FLOPs: forward 2N, backward 4N (the activations' gradients 2N, the weights' 2N)
+    flops_per_token = 6 * n_params
+    if args.lora_rank:
+        if device.type == "cuda":
+            model.to(torch.bfloat16)
+        grpo_lora()["add_lora"](model, args.lora_rank, 32.0, LORA_LAYERS)
+        # the frozen weights get no gradient: the backward's 2N for them is not done
+        flops_per_token = 4 * n_params
+    model.to(device)
+    model.train()
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    model.train()
-    n_params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    n_trained = sum(p.numel() for p in trained)
+    optimizer = torch.optim.AdamW(trained, lr=1e-6)
     print(
-        f"{name}, torch {torch.__version__}: {args.shape} ({n_params / 1e9:.3f}e9 parameters), sequences of "
-        f"{args.seq_len} tokens, {args.accumulation} microbatches a step, gradient checkpointing "
-        f"{'on' if args.gradient_checkpointing else 'off'}, log-probs {args.log_probs}"
+        f"{name}, torch {torch.__version__}: {args.shape} ({n_params / 1e9:.3f}e9 parameters, "
+        f"{n_trained / 1e6:.1f}e6 trained), sequences of {args.seq_len} tokens, {args.accumulation} "
+        f"microbatches a step, gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, "
+        f"log-probs {args.log_probs}, LoRA rank {args.lora_rank or 'none'}"
     )
-    print(f"{'microbatch':>10} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'added GiB':>9}")
+    print(
+        f"{'microbatch':>10} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'resident':>9} {'added GiB':>9}"
+    )
     rows = []
     for microbatch_size in args.microbatch_sizes:
         try:
@@ -276,20 +311,21 @@ def main(args: Args) -> list[dict]:
             optimizer.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
             break
-        mfu = 6 * n_params * tokens_per_s / (peak * 1e12) if peak else None
+        mfu = flops_per_token * tokens_per_s / (peak * 1e12) if peak else None
         rows.append(
             dict(
                 microbatch_size=microbatch_size,
                 tokens_per_s=tokens_per_s,
                 mfu=mfu,
                 peak_gib=peak_gib(device),
+                resident_gib=resident,
                 added_gib=peak_gib(device) - resident,
             )
         )
         mfu_text = f"{mfu:.1%}" if mfu is not None else "-"
         print(
             f"{microbatch_size:>10} {tokens_per_s:>10.0f} {mfu_text:>6} {rows[-1]['peak_gib']:>9.2f}"
-            f" {rows[-1]['added_gib']:>9.2f}",
+            f" {resident:>9.2f} {rows[-1]['added_gib']:>9.2f}",
             flush=True,
         )
     return rows

@@ -67,6 +67,24 @@ def test_train_step_bench_reports_a_row_per_microbatch_size():
     )
 
 
+def test_train_step_lora_is_grpo_py_s_with_its_parameter_count():
+    # grpo.py's add_lora, read from its source, on Qwen3-1.7B's shape: r (d_in + d_out) for each of
+    # the seven linear layers, 4096 + 3072 + 3072 + 4096 + 3 x 8192 = 38,912 r a layer (gpu.md)
+    lora = train_step.grpo_lora()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**train_step.SHAPES["qwen3-1.7b"]))
+        lora["add_lora"](model, 8, 32.0, train_step.LORA_LAYERS)
+    n_trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert n_trained == 38912 * 8 * 28
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "LoRALinear"
+    # and the bench trains the adapters alone
+    args = train_step.Args(
+        shape="ladder", microbatch_sizes=[2], seq_len=16, steps=1, accumulation=1, lora_rank=2
+    )
+    rows = train_step.main(args)
+    assert rows[0]["tokens_per_s"] > 0
+
+
 def test_cpu_matmul_peak_is_a_positive_rate():
     # TFLOP/s: no CPU reaches 100 in float32
     assert 0 < train_step.cpu_matmul_tflops(n=128, repeats=2) < 100
