@@ -2,6 +2,7 @@
 
     python ladder.py              # about 11 minutes on 2 CPU cores; no GPU, no internet
     python ladder.py --seed 2     # the README's table has seeds 1, 2 and 3
+    python ladder.py --combine runs/ladder__1__* runs/ladder__2__* runs/ladder__3__*   # their table, the mean
 
 It runs the project's own scripts, each as a subprocess with the command line it prints first (copy one to rerun a
 stage alone), all inside one run folder, runs/ladder__<seed>__<unix time>/:
@@ -33,7 +34,7 @@ import re
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import tyro
@@ -73,6 +74,9 @@ class Args:
     on its traces, then grpo_tools.py from there (beside grpo.py's row, the same steps)"""
     call_rate: float = 0.3
     """with --tools: the share of the teacher's additions done by the calculator"""
+    combine: list[str] = field(default_factory=list)
+    """finished ladder run folders, one a seed: print their accuracies side by side with the mean,
+    plot their tool rows together (output_dir/ladder_tools.png), and run no stage"""
 
 
 STAGES = (
@@ -369,39 +373,92 @@ def plot(run_dir: Path, results: dict) -> Path:
     return path
 
 
-def plot_tools(run_dir: Path, results: dict) -> Path:
-    """ladder_tools.png: GRPO with the calculator beside GRPO without it: eval accuracy against
-    step, and the share of responses that call the calculator (greedy on val, sampled in the
-    rollouts)."""
+def plot_tools(run_dirs: list[Path], path: Path) -> Path:
+    """ladder_tools.png: GRPO with the calculator beside GRPO without it, a line a seed: eval
+    accuracy against step, and the share of responses that call the calculator (greedy on val,
+    sampled in the rollouts)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no window
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for stage in ("grpo", "grpo_tools"):
-        points = curves(run_dir, stage)["eval accuracy (val, greedy)"]
-        steps, values = zip(*points, strict=True)
-        label = f"{LABELS[stage]} (test {results[stage]['accuracy']:.1%})"
-        left.plot(steps, values, marker="o", markersize=3, label=label)
-    records = read_metrics(find_one("grpo_tools__*", run_dir))
-    for key, label in (
-        ("eval/frac_calling", "calling, val (greedy)"),
-        ("rollout/frac_calling", "calling, rollouts (sampled)"),
-    ):
-        points = [(r["step"], r[key]) for r in records if key in r]
-        steps, values = zip(*points, strict=True)
-        right.plot(steps, values, marker="o", markersize=3, label=label)
+    runs = [json.loads((d / "ladder.json").read_text())["results"] for d in run_dirs]
+    for color, stage in (("C0", "grpo"), ("C1", "grpo_tools")):
+        mean = sum(results[stage]["accuracy"] for results in runs) / len(runs)
+        label = f"{LABELS[stage]} (test {mean:.1%})"
+        for run_dir in run_dirs:
+            points = curves(run_dir, stage)["eval accuracy (val, greedy)"]
+            steps, values = zip(*points, strict=True)
+            left.plot(steps, values, color=color, marker="o", markersize=2, label=label)
+            # one legend entry a stage, not a seed
+            label = None
+    keys = (
+        ("C2", "eval/frac_calling", "calling, val (greedy)"),
+        ("C3", "rollout/frac_calling", "calling, rollouts (sampled)"),
+    )
+    for color, key, label in keys:
+        for run_dir in run_dirs:
+            records = read_metrics(find_one("grpo_tools__*", run_dir))
+            points = [(r["step"], r[key]) for r in records if key in r]
+            steps, values = zip(*points, strict=True)
+            right.plot(steps, values, color=color, marker="o", markersize=2, label=label)
+            label = None
     left.set_ylabel("eval accuracy (val)")
     right.set_ylabel("share of responses that call")
     for ax in (left, right):
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    if len(run_dirs) > 1:
+        fig.suptitle(f"{len(run_dirs)} seeds, a line each; test accuracy: their mean", fontsize=9)
     fig.tight_layout()
-    path = run_dir / "ladder_tools.png"
     fig.savefig(path, dpi=110)
     return path
+
+
+def combine(run_dirs: list[Path], out_dir: Path) -> str:
+    """The README's table from finished ladder runs, one a seed: each stage's test accuracy per
+    seed and their mean, and the tool row's calls; ladder_tools.png of the runs with a tool row."""
+    runs = [json.loads((d / "ladder.json").read_text()) for d in run_dirs]
+    seeds = " | ".join(f"seed {run['args']['seed']}" for run in runs)
+    rows = [f"| stage | {seeds} | mean |", "|---" * (len(runs) + 2) + "|"]
+    for stage in STAGES:
+        found = [run["results"][stage]["accuracy"] for run in runs if stage in run["results"]]
+        if len(found) == len(runs):
+            cells = " | ".join(f"{accuracy:.1%}" for accuracy in found)
+            rows.append(f"| {LABELS[stage]} | {cells} | {sum(found) / len(found):.1%} |")
+    with_tools = [
+        d for d, run in zip(run_dirs, runs, strict=True) if "grpo_tools" in run["results"]
+    ]
+    # the tool stages' evaluations: how often the greedy answers call, and how they score
+    for stage in TOOL_STAGES if with_tools == run_dirs else ():
+        for key in TOOL_METRICS:
+            # None: no answer called (accuracy_with_call), or none did without
+            found = [tool_metric(d, stage, key) for d in run_dirs]
+            cells = " | ".join("-" if value is None else f"{value:.2f}" for value in found)
+            known = [value for value in found if value is not None]
+            mean = f"{sum(known) / len(known):.2f}" if known else "-"
+            rows.append(f"| {LABELS[stage]}: {key} | {cells} | {mean} |")
+    text = "\n".join(rows)
+    print(text)
+    if with_tools:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        print(f"wrote {plot_tools(with_tools, out_dir / 'ladder_tools.png')}")
+    return text
+
+
+TOOL_METRICS = (
+    "eval/tool_calls_per_response",
+    "eval/frac_calling",
+    "eval/accuracy_with_call",
+    "eval/accuracy_without_call",
+)
+
+
+def tool_metric(run_dir: Path, stage: str, key: str) -> float | None:
+    summary = find_one("*/summary.json", run_dir / "eval" / stage)
+    return json.loads(summary.read_text())["metrics"].get(key)
 
 
 def table(results: dict) -> str:
@@ -494,7 +551,7 @@ def main(args: Args) -> dict:
     print(table(results))
     print(f"wrote {results_path} and {plot(run_dir, results)}")
     if "grpo_tools" in results:
-        print(f"wrote {plot_tools(run_dir, results)}")
+        print(f"wrote {plot_tools([run_dir], run_dir / 'ladder_tools.png')}")
     return results
 
 
@@ -503,4 +560,8 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # the engine in-process: faster start on CPU
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    main(tyro.cli(Args))
+    args = tyro.cli(Args)
+    if args.combine:
+        combine([Path(d) for d in args.combine], Path(args.output_dir))
+    else:
+        main(args)

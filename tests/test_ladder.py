@@ -79,3 +79,57 @@ def test_carries_right_counts_only_additions_that_carry():
     # 1 + 9 wrong; 6 + 7 and 17 + 5 right; the rest do not carry
     assert ladder.carries_right(texts) == 2 / 3
     assert ladder.carries_right(["2 + 2 = 4.", "no arithmetic"]) is None
+
+
+def test_combine_tables_the_seeds_and_their_mean(tmp_path):
+    # two finished ladders with a tool row, written by hand: seed 1 and seed 2
+    run_dirs = []
+    for seed, (grpo, grpo_tools) in {1: (0.40, 0.70), 2: (0.50, 0.60)}.items():
+        run_dir = tmp_path / f"ladder__{seed}__0"
+        results = {
+            stage: {"accuracy": accuracy, "carries_right": None, "seconds": 1.0}
+            for stage, accuracy in (("sft", 0.3), ("grpo", grpo), ("grpo_tools", grpo_tools))
+        }
+        saved = {"args": {"seed": seed}, "results": results}
+        write(run_dir / "ladder.json", json.dumps(saved))
+        for stage in ("grpo", "grpo_tools"):
+            records = [
+                {"step": step, "eval/accuracy": 0.1 * step, "eval/frac_calling": 0.5}
+                for step in (0, 1)
+            ]
+            records.append({"step": 1, "rollout/frac_calling": 0.25})
+            lines = "\n".join(json.dumps(r) for r in records)
+            write(run_dir / f"{stage}__{seed}__0" / "metrics.jsonl", lines)
+        # tools_sft never called: no accuracy with a call
+        tool_metrics = {
+            "tools_sft": {"eval/tool_calls_per_response": 0.0, "eval/frac_calling": 0.0},
+            "grpo_tools": {
+                "eval/tool_calls_per_response": float(seed),
+                "eval/frac_calling": 0.5,
+                "eval/accuracy_with_call": 0.8,
+                "eval/accuracy_without_call": 0.4,
+            },
+        }
+        for stage, metrics in tool_metrics.items():
+            summary = run_dir / "eval" / stage / "run" / "summary.json"
+            write(summary, json.dumps({"metrics": metrics}))
+        run_dirs.append(run_dir)
+
+    text = ladder.combine(run_dirs, tmp_path / "out")
+
+    lines = text.splitlines()
+    assert lines[0] == "| stage | seed 1 | seed 2 | mean |"
+    assert "| GRPO from SFT | 40.0% | 50.0% | 45.0% |" in lines
+    assert "| GRPO with the calculator, from that SFT | 70.0% | 60.0% | 65.0% |" in lines
+    # stages that no run has are left out
+    assert not any(line.startswith("| expert iteration") for line in lines)
+    calls = "| GRPO with the calculator, from that SFT: eval/tool_calls_per_response |"
+    assert f"{calls} 1.00 | 2.00 | 1.50 |" in lines
+    assert "| SFT on the calculator traces: eval/accuracy_with_call | - | - | - |" in lines
+    png = (tmp_path / "out" / "ladder_tools.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def write(path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
