@@ -6,8 +6,8 @@ bf16 autocast on a GPU, log-probs of the labels and the token entropy, the clipp
 backward; gradient clipping and one AdamW step per batch. For each microbatch size it prints
 
     tokens/s   trained tokens (prompt + response) per second over the timed steps
-    MFU        6 x parameters x tokens/s over the device's bf16 dense peak (--peak-tflops; H100 SXM: 989); on a CPU,
-               over a MEASURED float32 peak: the best of a few 2048 x 2048 matmuls (cpu_matmul_tflops)
+    MFU        6 (LoRA: 4) x parameters x tokens/s over the device's bf16 dense peak (--peak-tflops; H100 SXM: 989);
+               on a CPU, over a MEASURED float32 peak: the best of a few 2048 x 2048 matmuls (cpu_matmul_tflops)
     peak GiB   torch.cuda.max_memory_allocated (GPU), or the process's peak RSS (CPU), over the timed steps
     resident   what was allocated before them: the weights, and after the warm-up step AdamW's state
     added GiB  that peak less what was resident before them (the weights, AdamW's state): what a step's
