@@ -304,9 +304,9 @@ def lm_eval_ifeval(records: list[dict], examples: dict[str, dict]) -> dict:
 @functools.cache
 def lm_eval_scorer():
     """lm-eval 0.4.13's IFEval process_results, its files loaded by path (None without lm-eval).
-    Offline, as tests/test_ifeval.py runs it: an empty punkt_tab folder stops its import-time
-    download, sentences are counted by ours and words split without punkt (both need that
-    download); all else is lm-eval's."""
+    Offline and deterministic, as tests/test_ifeval.py runs it: an empty punkt_tab folder stops its
+    import-time download, sentences are counted by ours and words split without punkt (both need
+    that download), langdetect is seeded; all else is lm-eval's."""
     spec = importlib.util.find_spec("lm_eval")
     if spec is None:
         return None
@@ -329,6 +329,11 @@ def lm_eval_scorer():
         module_spec.loader.exec_module(module)
     util = sys.modules["lm_eval.tasks.ifeval.instructions_util"]
     util.count_sentences = verifiers.ifeval_sentences
+    # langdetect draws from a fresh random seed on each call unless seeded: three instruction
+    # types would get a verdict at random (verifiers.ifeval_language seeds it the same way)
+    from langdetect import DetectorFactory
+
+    DetectorFactory.seed = 0
     logging.getLogger("lm_eval.tasks.ifeval.instructions").setLevel(logging.CRITICAL)
     # Treebank word rules without punkt's sentence split (as the tests run it): this process only
     nltk.word_tokenize = functools.partial(nltk.word_tokenize, preserve_line=True)
