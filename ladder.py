@@ -397,9 +397,9 @@ def plot_tools(run_dirs: list[Path], path: Path) -> Path:
         ("C2", "eval/frac_calling", "calling, val (greedy)"),
         ("C3", "rollout/frac_calling", "calling, rollouts (sampled)"),
     )
+    tool_runs = [read_metrics(find_one("grpo_tools__*", d)) for d in run_dirs]
     for color, key, label in keys:
-        for run_dir in run_dirs:
-            records = read_metrics(find_one("grpo_tools__*", run_dir))
+        for records in tool_runs:
             points = [(r["step"], r[key]) for r in records if key in r]
             steps, values = zip(*points, strict=True)
             right.plot(steps, values, color=color, marker="o", markersize=2, label=label)
@@ -433,9 +433,10 @@ def combine(run_dirs: list[Path], out_dir: Path) -> str:
     ]
     # the tool stages' evaluations: how often the greedy answers call, and how they score
     for stage in TOOL_STAGES if with_tools == run_dirs else ():
+        metrics = [eval_metrics(d, stage) for d in run_dirs]
         for key in TOOL_METRICS:
             # None: no answer called (accuracy_with_call), or none did without
-            found = [tool_metric(d, stage, key) for d in run_dirs]
+            found = [m.get(key) for m in metrics]
             cells = " | ".join("-" if value is None else f"{value:.2f}" for value in found)
             known = [value for value in found if value is not None]
             mean = f"{sum(known) / len(known):.2f}" if known else "-"
@@ -456,9 +457,10 @@ TOOL_METRICS = (
 )
 
 
-def tool_metric(run_dir: Path, stage: str, key: str) -> float | None:
+def eval_metrics(run_dir: Path, stage: str) -> dict:
+    """The metrics of eval.py's summary.json for a stage of a ladder run."""
     summary = find_one("*/summary.json", run_dir / "eval" / stage)
-    return json.loads(summary.read_text())["metrics"].get(key)
+    return json.loads(summary.read_text())["metrics"]
 
 
 def table(results: dict) -> str:

