@@ -137,13 +137,18 @@ def reused_before(args: Args) -> dict:
 
 
 def grpo_command(args: Args, model: Path, run_dir: Path) -> list[str]:
+    """grpo.py's command line: RECIPE, then --grpo-flags. A GRPO run of this folder that stopped
+    after a checkpoint goes on from it (--resume), not from the start."""
     data_dir = ["--data-dir", args.data_dir] if args.data_dir else []
+    stopped = sorted(run_dir.glob("grpo__*/checkpoints/step_*"))
+    resume = ["--resume", str(stopped[-1].parent.parent)] if stopped else []
     return [
         "grpo.py",
         *["--model", str(model), "--seed", str(args.seed), "--output-dir", str(run_dir)],
         *["--n-grpo-steps", str(args.grpo_steps), *data_dir],
         *RECIPE.split(),
         *args.grpo_flags.split(),
+        *resume,
     ]
 
 
@@ -205,6 +210,13 @@ def table(results: dict) -> str:
             se = math.sqrt((before[key] * (1 - before[key]) + after[key] * (1 - after[key])) / n)
             change = f"{(after[key] - before[key]) / se:+.1f}"
         rows.append(f"| {key} | {before[key]:.1%} | {after[key]:.1%} | {change} |")
+    if "after" in results:
+        before_minutes = before["seconds"] / 60
+        after_minutes = after["seconds"] / 60
+        rows.append(f"| evaluation, minutes | {before_minutes:.0f} | {after_minutes:.0f} | |")
+    if "grpo" in results:
+        grpo_minutes = results["grpo"]["seconds"] / 60
+        rows.append(f"| GRPO, minutes | | {grpo_minutes:.0f} | |")
     minutes = sum(r["seconds"] for r in results.values()) / 60
     rows.append(f"| wall time | | | {minutes:.0f} min |")
     return "\n".join(rows)

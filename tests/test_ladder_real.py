@@ -29,6 +29,15 @@ def test_grpo_command_parses_and_a_later_flag_wins(tmp_path):
     assert parsed.dynamic_sampling
 
 
+def test_a_stopped_grpo_run_goes_on_from_its_checkpoint(tmp_path):
+    args = ladder_real.Args()
+    assert "--resume" not in ladder_real.grpo_command(args, tmp_path / "model", tmp_path)
+    for step in ("step_000010", "step_000020"):
+        (tmp_path / "grpo__1__5" / "checkpoints" / step).mkdir(parents=True)
+    cmd = ladder_real.grpo_command(args, tmp_path / "model", tmp_path)
+    assert cmd[-2:] == ["--resume", str(tmp_path / "grpo__1__5")]
+
+
 def test_table_by_hand():
     # 100 prompts, strict 20% -> 30%: the standard error of the difference is
     # sqrt((0.2 * 0.8 + 0.3 * 0.7) / 100) = 0.0608, so +0.1 is +1.6 of them
@@ -51,6 +60,8 @@ def test_table_by_hand():
     # only the prompt-level strict rows get a change
     assert "| ours/inst_level_strict | 40.0% | 45.0% |  |" in lines
     assert "| truncation_rate | 50.0% | 25.0% |  |" in lines
+    assert "| evaluation, minutes | 10 | 11 | |" in lines
+    assert "| GRPO, minutes | | 19 | |" in lines
     # 600 + 1140 + 660 seconds
     assert lines[-1] == "| wall time | | | 40 min |"
 
