@@ -21,7 +21,8 @@ runs/ladder_real__<seed>__<unix time>/:
 
 It ends with a table (prompt- and instruction-level accuracy before and after, both scorers),
 ladder_real.json and ladder_real.png (the rollouts' reward, truncation and groups without signal,
-against the step). `--resume RUN_FOLDER` skips the stages that finished.
+against the step). `--resume RUN_FOLDER` skips the stages that finished; a GRPO stage that
+stopped goes on from its last checkpoint.
 """
 
 import functools
