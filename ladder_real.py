@@ -108,9 +108,11 @@ def main(args: Args) -> dict:
     if "before" not in results:
         finish("before", evaluate(args, model, run_dir, "before"))
     if "grpo" not in results:
+        # a stage that stopped goes on: its time counts the steps done before
+        done = seconds_done(run_dir)
         start = time.time()
         run(grpo_command(args, model, run_dir), run_dir / "grpo.log")
-        finish("grpo", {"seconds": time.time() - start})
+        finish("grpo", {"seconds": done + time.time() - start})
     if "after" not in results:
         checkpoint = last(run_dir.glob("grpo__*/checkpoints/step_*"))
         finish("after", evaluate(args, checkpoint, run_dir, "after"))
@@ -144,8 +146,8 @@ def grpo_command(args: Args, model: Path, run_dir: Path) -> list[str]:
     """grpo.py's command line: RECIPE, then --grpo-flags. A GRPO run of this folder that stopped
     after a checkpoint goes on from it (--resume), not from the start."""
     data_dir = ["--data-dir", args.data_dir] if args.data_dir else []
-    stopped = sorted(run_dir.glob("grpo__*/checkpoints/step_*"))
-    resume = ["--resume", str(stopped[-1].parent.parent)] if stopped else []
+    stopped = last_checkpoint(run_dir)
+    resume = ["--resume", str(stopped.parent.parent)] if stopped else []
     return [
         "grpo.py",
         *["--model", str(model), "--seed", str(args.seed), "--output-dir", str(run_dir)],
@@ -154,6 +156,25 @@ def grpo_command(args: Args, model: Path, run_dir: Path) -> list[str]:
         *args.grpo_flags.split(),
         *resume,
     ]
+
+
+def last_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint of the folder's GRPO run, if one was saved."""
+    checkpoints = sorted(run_dir.glob("grpo__*/checkpoints/step_*"))
+    return checkpoints[-1] if checkpoints else None
+
+
+def seconds_done(run_dir: Path) -> float:
+    """The seconds a stopped GRPO run spent up to its last checkpoint, which it goes on from:
+    metrics.jsonl's time/step of each step (its evaluation included), and time/eval of step 0."""
+    checkpoint = last_checkpoint(run_dir)
+    if checkpoint is None:
+        return 0.0
+    step = int(checkpoint.name.removeprefix("step_"))
+    metrics = checkpoint.parent.parent / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    done = [row for row in rows if row["step"] <= step]
+    return sum(row.get("time/step", row.get("time/eval", 0.0)) for row in done)
 
 
 def evaluate(args: Args, model: Path, run_dir: Path, name: str) -> dict:

@@ -36,6 +36,13 @@ def test_a_stopped_grpo_run_goes_on_from_its_checkpoint(tmp_path):
         (tmp_path / "grpo__1__5" / "checkpoints" / step).mkdir(parents=True)
     cmd = ladder_real.grpo_command(args, tmp_path / "model", tmp_path)
     assert cmd[-2:] == ["--resume", str(tmp_path / "grpo__1__5")]
+    # its time so far: step 0's evaluation and steps 1-20, not step 21, which it does again
+    rows = [{"step": 0, "time/eval": 50.0}]
+    rows += [{"step": s, "time/generate": 9.0, "time/step": 10.0} for s in range(1, 22)]
+    lines = [json.dumps(row) + "\n" for row in rows]
+    (tmp_path / "grpo__1__5" / "metrics.jsonl").write_text("".join(lines))
+    assert ladder_real.seconds_done(tmp_path) == 50.0 + 20 * 10.0
+    assert ladder_real.seconds_done(tmp_path / "elsewhere") == 0.0
 
 
 def test_table_by_hand():
