@@ -60,7 +60,7 @@ class Args:
     eval_max_tokens: int = 1280
     """most tokens of an evaluated response (lm-eval's IFEval setting)"""
     grpo_steps: int = 12
-    """GRPO steps"""
+    """GRPO steps: 12 fit the hour; docs/ladder.md has 24, 48 and 72 measured"""
     grpo_flags: str = ""
     """more grpo.py flags, after RECIPE's (a later flag wins), e.g. "--lr 3e-5 --dynamic-sampling" """
     before_from: str | None = None
@@ -249,7 +249,8 @@ def table(results: dict) -> str:
 
 def plot(run_dir: Path, results: dict) -> Path:
     """ladder_real.png: the rollouts' reward, truncation rate and share of groups without a reward
-    signal against the GRPO step; the test accuracy before and after as dotted lines."""
+    signal, and grpo.py's own evaluation, against the GRPO step; the test accuracy before and
+    after as dotted lines."""
     import matplotlib
 
     # files only, no window
@@ -263,6 +264,8 @@ def plot(run_dir: Path, results: dict) -> Path:
         "rollout/reward_mean",
         "rollout/truncation_rate",
         "rollout/frac_zero_std_groups",
+        # the script's own watch: 64 validation prompts, up to 256 tokens
+        "eval/accuracy",
     ):
         points = [(r["step"], r[key]) for r in records if key in r]
         if points:

@@ -73,6 +73,18 @@ def test_table_by_hand():
     assert lines[-1] == "| wall time | | | 40 min |"
 
 
+def test_plot_is_a_png_of_the_rollouts_and_the_evaluations(tmp_path):
+    rows = [{"step": 0, "eval/accuracy": 0.2}]
+    rows += [{"step": 1, "rollout/reward_mean": 0.3, "rollout/truncation_rate": 0.5}]
+    lines = [json.dumps(row) + "\n" for row in rows]
+    (tmp_path / "grpo__1__5").mkdir()
+    (tmp_path / "grpo__1__5" / "metrics.jsonl").write_text("".join(lines))
+    results = {"before": {"ours/prompt_level_strict": 0.2}}
+    path = ladder_real.plot(tmp_path, results)
+    assert path == tmp_path / "ladder_real.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_lm_eval_scorer_aggregates_as_ours(shared_data):
     pytest.importorskip("lm_eval")
     examples = data.load("ifeval", "test", shared_data)[:40]
