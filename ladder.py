@@ -74,17 +74,26 @@ class Args:
     on its traces, then grpo_tools.py from there (beside grpo.py's row, the same steps)"""
     call_rate: float = 0.3
     """with --tools: the share of the teacher's additions done by the calculator"""
+    grpo_async: bool = False
+    """also grpo_async.py from the SFT checkpoint (its rollouts one step stale, sampled while the
+    trainer learns), beside grpo.py's row, the same steps"""
     combine: list[str] = field(default_factory=list)
     """finished ladder run folders, one a seed: print their accuracies side by side with the mean,
     plot their tool rows together (output_dir/ladder_tools.png), and run no stage"""
 
 
+DESCRIPTION = (
+    "The CPU ladder: a tiny model, SFT on a flawed teacher's traces, then expert iteration and GRPO "
+    "from SFT, each evaluated (docs/ladder.md). The stages run with vLLM's logging at ERROR; "
+    "VLLM_LOGGING_LEVEL=INFO python ladder.py shows the engine's own lines too."
+)
 STAGES = (
     "base",
     "teacher",
     "sft",
     "expert_iter",
     "grpo",
+    "grpo_async",
     "gold_sft",
     "distill",
     "tools_teacher",
@@ -97,6 +106,7 @@ LABELS = {
     "sft": "SFT on the traces",
     "expert_iter": "expert iteration from SFT",
     "grpo": "GRPO from SFT",
+    "grpo_async": "GRPO, rollouts overlapping training (1 step stale), from SFT",
     "gold_sft": "SFT on the gold solutions (distill's teacher)",
     "distill": "distillation from SFT",
     "tools_teacher": "calculator teacher's traces (train split)",
@@ -171,6 +181,11 @@ def stage_commands(
         "grpo": [
             "grpo.py",
             *["--model", sft_checkpoint, *common],
+            *["--n-grpo-steps", str(args.grpo_steps), *LENGTHS, *grpo],
+        ],
+        "grpo_async": [
+            "grpo_async.py",
+            *["--model", sft_checkpoint, *common, "--max-staleness", "1"],
             *["--n-grpo-steps", str(args.grpo_steps), *LENGTHS, *grpo],
         ],
         # sft_checkpoint: the tools_sft one here
@@ -493,6 +508,7 @@ def main(args: Args) -> dict:
                     "resume": args.resume,
                     "distill": args.distill,
                     "tools": args.tools,
+                    "grpo_async": args.grpo_async,
                 }
             ),
             saved["results"],
@@ -514,9 +530,11 @@ def main(args: Args) -> dict:
     if "teacher" not in results:
         start = time.time()
         finish("teacher", *write_teacher_traces(args, run_dir), time.time() - start)
-    for stage in ("sft", "expert_iter", "grpo", *(("gold_sft", "distill") if args.distill else ())):
+    stages = ["sft", "expert_iter", "grpo", *(["grpo_async"] if args.grpo_async else [])]
+    for stage in [*stages, *(("gold_sft", "distill") if args.distill else ())]:
         if stage not in results:
-            if stage in ("expert_iter", "grpo", "distill"):  # they start from the SFT checkpoint
+            # they start from the SFT checkpoint
+            if stage in ("expert_iter", "grpo", "grpo_async", "distill"):
                 teacher = (
                     str(find_one("gold_sft__*/checkpoints/step_*", run_dir))
                     if stage == "distill"
@@ -562,7 +580,12 @@ if __name__ == "__main__":
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     # the engine in-process: faster start on CPU
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    args = tyro.cli(Args)
+    # vLLM's log would drown the stages' own lines: at INFO, 139 of a ladder's first 300 lines
+    # (a ~3,500-character config line at each engine start), 53 of them warnings that every CPU
+    # engine start repeats (no tcmalloc, no Triton, eager mode). Errors still show;
+    # VLLM_LOGGING_LEVEL=INFO (or WARNING) brings the rest back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    args = tyro.cli(Args, description=DESCRIPTION)
     if args.combine:
         combine([Path(d) for d in args.combine], Path(args.output_dir))
     else:

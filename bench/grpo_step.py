@@ -4,7 +4,8 @@
 Both sides: a random-weight model from tiny_model.py (so every run generates about the same amount of work), the
 synthetic task's train prompts (template "question") scored by verifiers.score, group size 8, float32, beta 0,
 token-mean loss (TRL loss_type="dapo"), constant learning rate, one optimizer step per generation batch, temperature
-1, no gradient checkpointing; grpo.py with --no-drop-zero-variance-groups so it trains on every response, as TRL does.
+1, no gradient checkpointing; grpo.py's step run as grpo_family.py --no-drop-zero-variance-groups, so that it
+trains on every response, as TRL does.
 TRL generates with transformers' generate (its best CPU mode). Two sizes, the issue's (SIZES):
 
     tiny  the ladder's 4-layer model (0.85M): 256 completions (32 prompts x 8), <= 64 tokens, microbatch 64
@@ -152,7 +153,10 @@ def run_grpo(
     run(
         [
             sys.executable,
-            "grpo.py",
+            # grpo.py's own step, run from grpo_family.py: grpo.py leaves out the groups with no
+            # signal, and only the family's --no-drop-zero-variance-groups trains on every
+            # response, as TRL does
+            "grpo_family.py",
             "--model",
             model,
             "--dataset",

@@ -1,8 +1,11 @@
-"""Shared fixtures: the repo root on sys.path, the local datasets, and a tiny model built once per
-session; and interrupted_at_call, for the tests that stop a run and resume it."""
+"""Shared fixtures: the repo root on sys.path, the datasets, and a tiny model built once per session;
+and interrupted_at_call, for the tests that stop a run and resume it."""
 
 import contextlib
+import functools
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,13 +20,113 @@ import pytest  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SHARED_DATA = ROOT.parent / "shared" / "data"
+DATA_VAR = "NANORLVR_DATA"
+# the data root's files, one folder per dataset, as data.load(name, split, data_dir) reads them
+DATA_FILES = (
+    "gsm8k/train.jsonl",
+    "gsm8k/test.jsonl",
+    "math/train.jsonl",
+    "math/test.jsonl",
+    "math/math500.jsonl",
+    "mbpp/mbpp.jsonl",
+    "mbpp/sanitized-mbpp.json",
+    "humaneval/HumanEval.jsonl",
+    "ifeval/input_data.jsonl",
+)
+
+
+def hub_cache() -> Path:
+    """Where the tests keep a copy of the datasets fetched from the hub (once per machine)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "nanorlvr" / "data"
+
+
+@functools.cache
+def data_root() -> Path:
+    """The datasets' root folder: $NANORLVR_DATA if set, else ../shared/data if it is there, else a
+    copy fetched once from the Hugging Face hub into hub_cache(). Where none can be had, the
+    session stops with one message saying what is missing and what provides it."""
+    if os.environ.get(DATA_VAR):
+        root = Path(os.environ[DATA_VAR])
+        where = f"${DATA_VAR} ({root})"
+    elif SHARED_DATA.is_dir():
+        root = SHARED_DATA
+        where = str(SHARED_DATA)
+    else:
+        root = hub_cache()
+        where = None
+        if not all((root / name).is_file() for name in DATA_FILES):
+            try:
+                write_hub_copy(root)
+            except Exception as error:
+                pytest.exit(
+                    f"the tests need GSM8K, MATH, MBPP, HumanEval and IFEval: there is no "
+                    f"{SHARED_DATA}, ${DATA_VAR} is not set, and the hub copy could not be "
+                    f"fetched into {root} ({type(error).__name__}: {error}). Set "
+                    f"{DATA_VAR}=<folder> to a folder with {', '.join(DATA_FILES)} "
+                    f"(docs/tests.md, 'The datasets'), or run where huggingface.co can be reached",
+                    returncode=1,
+                )
+    missing = [name for name in DATA_FILES if not (root / name).is_file()]
+    if missing:
+        lacks = "none of the datasets" if len(missing) == len(DATA_FILES) else ", ".join(missing)
+        pytest.exit(
+            f"the tests' data root {where} has {lacks}: set {DATA_VAR}=<folder> to a folder with "
+            f"{', '.join(DATA_FILES)} (docs/tests.md, 'The datasets')",
+            returncode=1,
+        )
+    return root
+
+
+def write_hub_copy(root: Path) -> None:
+    """The data root's files, written from the rows data.py reads when it has no data_dir (the
+    Hugging Face hub: its own cache keeps the downloads). Written whole into a sibling folder,
+    then renamed, so a fetch that stops half-way leaves nothing that looks complete. The hub's
+    MATH carries no file names: a test row takes its MATH-500 unique_id where MATH-500 has its
+    problem (the original file name), every other row data.py's hub id "<split>/<subject>/row<i>"."""
+    import data
+
+    def rows(name, config, split):
+        return [row for _, row in data._read_hub(name, config, split)]
+
+    def write_jsonl(path, records):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), "utf-8")
+
+    partial = root.with_name(root.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    for split in ("train", "test"):
+        write_jsonl(partial / f"gsm8k/{split}.jsonl", rows("openai/gsm8k", "main", split))
+    math500 = rows(data.MATH500_HUB, None, "test")
+    file_of = {row["problem"]: row["unique_id"] for row in math500}
+    for split in ("train", "test"):
+        math = []
+        for subject in data.MATH_SUBJECTS:
+            for i, row in enumerate(rows(data.MATH_HUB, subject, split)):
+                name = f"{split}/{subject}/row{i}"
+                math.append({**row, "unique_id": file_of.get(row["problem"], name)})
+        write_jsonl(partial / f"math/{split}.jsonl", math)
+    write_jsonl(partial / "math/math500.jsonl", math500)
+    # MBPP's four hub splits together are the one file, in task_id order
+    mbpp = "google-research-datasets/mbpp"
+    mbpp_splits = ("train", "validation", "test", "prompt")
+    full = [row for split in mbpp_splits for row in rows(mbpp, "full", split)]
+    write_jsonl(partial / "mbpp/mbpp.jsonl", sorted(full, key=lambda row: row["task_id"]))
+    sanitized = [row for split in mbpp_splits for row in rows(mbpp, "sanitized", split)]
+    sanitized.sort(key=lambda row: row["task_id"])
+    (partial / "mbpp/sanitized-mbpp.json").write_text(json.dumps(sanitized), "utf-8")
+    humaneval = rows("openai/openai_humaneval", None, "test")
+    write_jsonl(partial / "humaneval/HumanEval.jsonl", humaneval)
+    write_jsonl(partial / "ifeval/input_data.jsonl", rows("google/IFEval", None, "train"))
+    shutil.rmtree(root, ignore_errors=True)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    partial.rename(root)
 
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """../shared/data: the offline copies of GSM8K, MATH, MBPP and IFEval."""
-    assert SHARED_DATA.is_dir(), f"expected the offline datasets at {SHARED_DATA}"
-    return SHARED_DATA
+    """The datasets' root folder (data_root): GSM8K, MATH, MBPP, HumanEval and IFEval."""
+    return data_root()
 
 
 @pytest.fixture(scope="session")

@@ -24,12 +24,27 @@ def test_qwen3_1_7b_shape_has_its_parameter_count():
     assert 1.70e9 < n_params < 1.74e9, n_params
 
 
-def test_ladder_and_25m_shapes_have_the_issue_parameter_counts():
-    # the models tiny_model.py builds for the issue's two rows: 0.85M and 25.4M parameters
-    for shape, (low, high) in {"ladder": (0.84e6, 0.86e6), "25m": (25.3e6, 25.5e6)}.items():
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(Qwen3Config(**train_step.SHAPES[shape]))
-        assert low < sum(p.numel() for p in model.parameters()) < high, shape
+@pytest.mark.parametrize(
+    ("size", "shape", "low", "high"),
+    [("tiny", "ladder", 0.845e6, 0.855e6), ("25m", "25m", 25.35e6, 25.45e6)],
+)
+def test_bench_shapes_are_the_models_tiny_model_builds(size, shape, low, high):
+    """The models tiny_model.py builds with the benches' flags (bench.grpo_step.MODELS; "tiny" is
+    the ladder's, --n-layers 4): 0.85M and 25.4M parameters as the README and docs/performance.md
+    say, and train_step's copies of their shapes (SHAPES) are those models' configs."""
+    import tyro
+
+    import tiny_model
+
+    args = tyro.cli(tiny_model.Args, args=[*grpo_step.MODELS[size], "--out", "unused"])
+    tokenizer = tiny_model.build_tokenizer(tiny_model.tokenizer_corpus(), args.vocab_size)
+    with torch.device("meta"):
+        model = tiny_model.build_model(args, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{size}: {n_params} parameters, vocab {len(tokenizer)}")
+    assert low < n_params < high, n_params
+    for key, value in train_step.SHAPES[shape].items():
+        assert getattr(model.config, key) == value, key
 
 
 def test_train_step_copy_has_the_reinforce_gradient_and_the_entropy():
@@ -143,3 +158,23 @@ def test_profile_adds_up_own_time_by_file():
 
     seconds = dict(generate.own_time_by_file(busy))
     assert seconds["test_bench.py"] > 0 and seconds["<built-in method builtins.sorted>"] > 0
+
+
+def test_overlap_gpu_bench_times_each_side_apart_at_once_and_in_a_process():
+    """bench/overlap_gpu.py at a small shape on the CPU: the stand-in in a thread and in a process
+    of its own, each timed (the numbers are the GPU's to give: docs/async.md)."""
+    from bench import overlap_gpu
+
+    args = overlap_gpu.Args(
+        shape="ladder",
+        seq_len=16,
+        microbatch_size=1,
+        accumulation=1,
+        gen_batch=2,
+        prompt_len=4,
+        gen_tokens=3,
+        repeats=1,
+        engine_process=True,
+    )
+    seconds = overlap_gpu.main(args)
+    assert all(seconds[key] > 0 for key in ("generate_s", "train_s", "both_s", "process_s"))

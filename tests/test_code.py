@@ -17,7 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import plant_right_responses
+import torch
+from conftest import plant_right_in_score_batch, plant_right_responses
+from safetensors.torch import load_file
 
 import data
 import verifiers
@@ -425,15 +427,28 @@ def test_eval_end_to_end(
     records = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     metrics = json.loads((run_dir / "summary.json").read_text())["metrics"]
     assert len(records) == metrics["eval/n_problems"] == 4
-    for record in records:
+    examples = data.load(dataset, "test", shared_data)[:4]
+    statuses = []
+    for i, (record, example) in enumerate(zip(records, examples, strict=True)):
         assert record["prompt"].endswith(prompt_end)
         # three shots and the task
         assert record["prompt"].count("[BEGIN]") == (4 if dataset == "mbpp" else 0)
-        for response, reward in zip(record["responses"], record["rewards"], strict=True):
+        for j, (response, reward) in enumerate(
+            zip(record["responses"], record["rewards"], strict=True)
+        ):
             assert "[DONE]" not in response  # generation stops there, as in lm-eval
-            # the program ran
-            assert reward["status"] in ("passed", "failed", "syntax_error", "timeout")
+            # the status names what happened: the planted gold passes; the model's own text
+            # fails, as a syntax error exactly where Python cannot compile its program
+            program = verifiers.code_program(response, example)
+            try:
+                compile(program, "<response>", "exec")
+                own = "failed"
+            except SyntaxError:
+                own = "syntax_error"
+            assert reward["status"] == ("passed" if (i + j) % 3 == 0 else own)
             assert reward["reward"] == float(reward["status"] == "passed")
+            statuses.append(reward["status"])
+    print(statuses)
     # the planted gold programs pass in the sandbox, the model's own fail
     rewards = [[r["reward"] for r in record["rewards"]] for record in records]
     assert rewards == [[1.0, 0.0], [0.0, 0.0], [0.0, 1.0], [1.0, 0.0]]
@@ -467,8 +482,13 @@ def spy_on_programs(monkeypatch) -> list[dict]:
 
 @pytest.mark.parametrize("trainer", ["grpo", "expert_iter"])
 def test_trainers_run_on_mbpp(trainer, tiny_model_dir, shared_data, tmp_path, monkeypatch, own_tmp):
+    """Each trainer samples MBPP programs, runs them in the real sandbox and updates on the code
+    reward. A random tiny model writes no passing program: the gold solution is planted in place of
+    every even-length response before scoring (conftest.plant_right_in_score_batch), so the
+    sandbox sees a mix of passing and failing programs and the trainer has something to learn."""
     script = __import__(trainer)
     runs = spy_on_programs(monkeypatch)
+    plant_right_in_score_batch(monkeypatch)
     common = dict(
         model=str(tiny_model_dir),
         dataset="mbpp",
@@ -493,9 +513,19 @@ def test_trainers_run_on_mbpp(trainer, tiny_model_dir, shared_data, tmp_path, mo
         args = script.Args(
             **common, n_ei_steps=2, n_questions=2, batch_size=4, microbatch_size=4, max_seq_len=1024
         )
-    script.main(args)
+    run_dir = script.main(args)
     assert len(runs) >= 2 * 8  # every sampled response of both steps became a program and ran
-    assert all(run["status"] in ("passed", "failed", "syntax_error", "timeout") for run in runs)
+    statuses = [run["status"] for run in runs]
+    print({status: statuses.count(status) for status in set(statuses)})
+    # the planted gold passes, the model's own programs do not: a mix to learn from
+    assert "passed" in statuses and {"failed", "syntax_error"} & set(statuses)
+    # an update happened: the trainer says so, and the final weights moved off the start's
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m.get("train/n_updates") or 0 for m in metrics) > 0
+    (last,) = sorted((run_dir / "checkpoints").iterdir())[-1:]
+    start = load_file(tiny_model_dir / "model.safetensors")
+    end = load_file(last / "model.safetensors")
+    assert any(not torch.equal(start[name], end[name]) for name in start)
     # the wall-clock limit held
     assert all(run["time_s"] < verifiers.CODE_TIMEOUT_S + 2 for run in runs)
     # every program's folder was removed

@@ -1,4 +1,4 @@
-"""Tests for data.py on the local copies in ../shared/data (no hub access needed).
+"""Tests for data.py on the local copies of the datasets (conftest.data_root: ../shared/data).
 
 MATH-500: the dataset's own `answer` field equals the last \\boxed{} of its `solution` on all 500
 rows after removing spaces (exceptions found: none), so `answer` and `answer_given` agree
@@ -14,15 +14,14 @@ import types
 from pathlib import Path
 
 import pytest
+from conftest import data_root
 
 import data
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-GSM8K = DATA / "gsm8k"
-
 
 def load(dataset, split):
-    return data.load(dataset, split, DATA)
+    # the synthetic task is generated, not read: it runs without a data root
+    return data.load(dataset, split, None if dataset == "synthetic" else data_root())
 
 
 def pairwise_disjoint(sets):
@@ -65,7 +64,7 @@ def test_gsm8k_val_is_held_out_of_official_train():
         assert pairwise_disjoint([{ex[key] for ex in split} for split in (train, val, test)])
     official = [
         json.loads(line)["question"]
-        for line in (GSM8K / "train.jsonl").read_text("utf-8").splitlines()
+        for line in (data_root() / "gsm8k" / "train.jsonl").read_text("utf-8").splitlines()
     ]
     # train + val is the official train split, and each keeps the official row order
     assert sorted(int(ex["id"].split("/")[1]) for ex in train + val) == list(range(len(official)))
@@ -173,7 +172,7 @@ GOOD_MATH = {
 
 def test_data_dir_is_the_data_root():
     with pytest.raises(data.DataError, match=r"gsm8k: no such folder; --data-dir is the data root"):
-        data.load("gsm8k", "test", DATA / "gsm8k")  # the old meaning: a dataset's own folder
+        data.load("gsm8k", "test", data_root() / "gsm8k")  # the old meaning: a dataset's own folder
 
 
 def mkdir(path):
@@ -408,8 +407,8 @@ def test_gsm8k_kshot():
     assert data.render_response(TOY, "gsm8k_kshot") == " 2+3 = <<2+3=5>>5 apples.\n#### 5"
     assert data.stop_strings("gsm8k_kshot") == ["Question:", "</s>", "<|im_end|>"]
 
-    shots = data.gsm8k_fewshot(5, DATA)
-    first = json.loads((GSM8K / "train.jsonl").read_text("utf-8").splitlines()[0])
+    shots = data.gsm8k_fewshot(5, data_root())
+    first = json.loads((data_root() / "gsm8k" / "train.jsonl").read_text("utf-8").splitlines()[0])
     prompt = data.render_prompt(load("gsm8k", "test")[0], "gsm8k_kshot", fewshot=shots)
     assert prompt.startswith(
         f"Question: {first['question']}\nAnswer: {first['answer']}\n\nQuestion: "

@@ -19,11 +19,16 @@ COMMON = (
     "--dataset synthetic --template question --microbatch-size 2 --lr 1e-3 --n-eval 2"
     " --eval-max-tokens 4 --n-log-generations 1"
 ).split()
-# Per script: its arguments, the steps of its metrics.jsonl rows, its last checkpoint, the metrics
-# that must agree, and how far the 2-rank weights may be from the 1-rank ones, as a share of how far
-# training moved them. AdamW lifts a ~1e-7 difference of a near-0 gradient to a fraction of the lr:
-# measured differ / moved: sft 2e-5, expert_iter 4e-3, distill 6e-3; each bound is 8-50x that
-# (tests/test_distributed.py checks the gradients themselves, with SGD).
+# Per script: its arguments, the steps of its metrics.jsonl rows, its last checkpoint and the metrics
+# that must agree. The final weights: 2 ranks sum the same per-token gradients as 1 rank in another
+# order, so a gradient element differs by float32 rounding, ~n 2^-24 of the sum of its terms'
+# magnitudes (~1e-6 relative); AdamW divides each element by its own running RMS, which carries
+# that relative error into the update, except where an element's terms cancel to near zero and a
+# rounding can flip its step (up to 2 lr). So the average element agrees to ~1e-6 of how far it
+# moved, while a rank trained on other rows would be apart by about the movement itself: asserted,
+# the mean difference below 1e-3 of the mean movement (tests/test_distributed.py checks the
+# gradients themselves, with SGD). Measured on an AVX2 EPYC: sft 1e-7, expert_iter 7e-7, distill
+# 1e-6 of it.
 RUNS = {
     # 24 examples in 3 steps of 8, evaluated at 0, 2 and 3
     "sft": {
@@ -31,7 +36,6 @@ RUNS = {
         "steps": [0, 1, 2, 3],
         "last": "checkpoints/step_000003",
         "keys": ["train/loss", "train/grad_norm", "eval/accuracy", "eval/sample_token_entropy"],
-        "differ_per_move": 1e-3,
     },
     # 2 steps of 8 questions x 4 responses of 2 tokens (about half are all letters: reward 1,
     # kept), in batches of 4
@@ -49,7 +53,6 @@ RUNS = {
             "train/grad_norm",
             "eval/accuracy",
         ],
-        "differ_per_move": 0.05,
     },
     # 2 steps of 4 questions x 4 responses of 8 tokens; the teacher: the tiny model, 4x sharper
     "distill": {
@@ -65,7 +68,6 @@ RUNS = {
             "eval/reverse_kl",
             "eval/accuracy",
         ],
-        "differ_per_move": 0.05,
     },
 }
 
@@ -146,7 +148,11 @@ def test_two_ranks_run_as_one_rank_does(script, tiny_model_dir, tmp_path):
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     two_weights = AutoModelForCausalLM.from_pretrained(two / run["last"]).state_dict()
     one_weights = AutoModelForCausalLM.from_pretrained(one / run["last"]).state_dict()
-    moved = max((one_weights[k] - start[k]).abs().max().item() for k in start)
-    differ = max((two_weights[k] - one_weights[k]).abs().max().item() for k in start)
-    assert moved > 1e-3, moved
-    assert differ < run["differ_per_move"] * moved, (moved, differ)
+    moved = torch.cat([(one_weights[k] - start[k]).abs().flatten() for k in start])
+    apart = torch.cat([(two_weights[k] - one_weights[k]).abs().flatten() for k in start])
+    print(
+        f"{script}: 2 ranks vs 1 apart max {apart.max():.3g}, mean {apart.mean():.3g}; "
+        f"moved max {moved.max():.3g}, mean {moved.mean():.3g}"
+    )
+    assert moved.max() > 1e-3, moved.max()
+    assert apart.mean() < 1e-3 * moved.mean(), (apart.mean(), moved.mean())

@@ -329,13 +329,13 @@ def vllm_server(tiny_model_dir):
     [("completions", "ifeval", "question"), ("chat", "synthetic", "chat")],
 )
 def test_vllm_serve_gives_the_local_engines_samples(
-    vllm_server, tiny_model_dir, tmp_path, endpoint, dataset, template
+    vllm_server, tiny_model_dir, shared_data, tmp_path, endpoint, dataset, template
 ):
     common = dict(
         model=str(tiny_model_dir),
         dataset=dataset,
         split="test",
-        data_dir=str(ROOT.parent / "shared" / "data"),
+        data_dir=str(shared_data),
         limit=64,
         template=template,
         max_tokens=24,

@@ -1,6 +1,7 @@
 """grpo_tools.py: the tool loop and its batch. By hand: the collated batch of a scripted exchange
 (ids, the mask zero exactly on the tool's tokens, the engine's log-probs on the generated ones), and
-a tool output that BPE would merge with its neighbour keeps its own ids. With the real engine on the
+a tool output that BPE would merge with its neighbour keeps its own ids; a flag of grpo_family.py is
+refused with that file's name. With the real engine on the
 tiny model: every turn is fed exactly the ids before it; hostile calls are answered and the run goes
 on; a run with tool calls keeps train/engine_logprob_gap at float32 rounding; a resumed run replays
 the rollouts.
@@ -54,7 +55,6 @@ def test_collate_tool_rollouts_by_hand():
         [[5, 6], [5]],
         [rollout, plain],
         torch.tensor([1.0, -1.0]),
-        torch.tensor([1.0, 0.0]),
     )
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10], [5, 12, 13, 14, 0, 0]]
     assert batch["labels"].tolist() == [[6, 7, 8, 9, 10, 11], [12, 13, 14, 0, 0, 0]]
@@ -77,12 +77,29 @@ def test_a_tool_output_that_bpe_would_merge_keeps_its_own_ids(tiny_model_dir):
     assert joined != generated + tool
     prompt = encode(tokenizer, "Tom has 4")
     rollout = Rollout(token_ids=generated + tool, is_tool=[False, True], logprobs=[-1.0])
-    batch, _ = grpo_tools.collate_tool_rollouts([prompt], [rollout], torch.zeros(1), torch.zeros(1))
+    batch, _ = grpo_tools.collate_tool_rollouts([prompt], [rollout], torch.zeros(1))
     # the trainer scores the engine's ids, not those of the decoded text tokenized again
     assert batch["labels"][0].tolist() == prompt[1:] + generated + tool
     assert (
         encode(tokenizer, tokenizer.decode(prompt + generated + tool)) != prompt + generated + tool
     )
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--loss-type", "gspo"],
+        ["--loss-type=cispo"],
+        ["--dynamic-sampling"],
+        ["--no-normalize-by-std"],
+    ],
+)
+def test_a_flag_of_grpo_family_is_refused_with_the_file_that_has_it(flags):
+    with pytest.raises(SystemExit, match="grpo_family.py") as refusal:
+        grpo_tools.refuse_family_flags(["--max-tool-calls", "2", *flags])
+    assert "grpo_tools.py" in str(refusal.value)
+    # the flags grpo_tools.py has pass
+    grpo_tools.refuse_family_flags(["--max-tool-calls", "2", "--beta", "0.1"])
 
 
 def test_tool_output_is_cut_to_its_token_budget(tiny_model_dir):

@@ -28,12 +28,11 @@ import types
 from pathlib import Path
 
 import pytest
+from conftest import data_root
 from transformers import AutoModelForCausalLM
 
 import data
 import verifiers
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def ifeval(response, instruction_id, **kwargs):
@@ -350,7 +349,7 @@ def test_instruction_table(instruction_id, kwargs, response, strict, loose):
 def test_every_type_passes_and_fails_strict_and_loose():
     types_in_data = {
         i
-        for line in open(DATA / "ifeval/input_data.jsonl")
+        for line in open(data_root() / "ifeval/input_data.jsonl")
         for i in json.loads(line)["instruction_id_list"]
     }
     assert set(verifiers.IFEVAL_CHECKERS) == types_in_data and len(types_in_data) == 25
@@ -637,7 +636,7 @@ def test_541_prompts_match_reference(reference):
     prompt)."""
     rng = random.Random(0)
     n_responses, n_strict_followed, n_instructions, mismatches = 0, 0, 0, []
-    for example in data.load("ifeval", "test", DATA):
+    for example in data.load("ifeval", "test", data_root()):
         for response in rule_made_responses(example, rng):
             ours, theirs = both(reference, response, example)
             n_responses += 1
@@ -654,8 +653,8 @@ def test_541_prompts_match_reference(reference):
 
 
 def test_test_split_is_the_541_prompts():
-    examples = data.load("ifeval", "test", DATA)
-    rows = [json.loads(line) for line in open(DATA / "ifeval/input_data.jsonl")]
+    examples = data.load("ifeval", "test", data_root())
+    rows = [json.loads(line) for line in open(data_root() / "ifeval/input_data.jsonl")]
     assert len(examples) == 541 and [ex["id"] for ex in examples] == [
         str(row["key"]) for row in rows
     ]
@@ -668,9 +667,11 @@ def test_test_split_is_the_541_prompts():
 
 
 def test_train_set_deterministic_compatible_and_disjoint_from_test():
-    train = data.load("ifeval", "train", DATA)
-    assert train == data.load("ifeval", "train", DATA) and len(train) == data.IFEVAL_TRAIN_SIZE
-    test_prompts = {ex["prompt"] for ex in data.load("ifeval", "test", DATA)}
+    train = data.load("ifeval", "train", data_root())
+    assert (
+        train == data.load("ifeval", "train", data_root()) and len(train) == data.IFEVAL_TRAIN_SIZE
+    )
+    test_prompts = {ex["prompt"] for ex in data.load("ifeval", "test", data_root())}
     assert not test_prompts & {ex["prompt"] for ex in train}
     counts = {n: 0 for n in (1, 2, 3)}
     for ex in train:
@@ -712,7 +713,7 @@ def test_eval_prints_four_metrics_and_per_type_table(tiny_model_dir, tmp_path, c
         model=str(tiny_model_dir),
         dataset="ifeval",
         split="test",
-        data_dir=str(DATA),
+        data_dir=str(data_root()),
         limit=12,
         template="question",
         max_tokens=16,
@@ -724,6 +725,11 @@ def test_eval_prints_four_metrics_and_per_type_table(tiny_model_dir, tmp_path, c
     metrics = json.loads((run_dir / "summary.json").read_text())["metrics"]
     strict = [r["rewards"][0]["strict"] for r in records]
     loose = [r["rewards"][0]["loose"] for r in records]
+    # a mix of followed and not, at both levels, or the recounts below prove little
+    counts = [(sum(map(all, v)), sum(map(sum, v)), sum(map(len, v))) for v in (strict, loose)]
+    print(f"strict, loose: (prompts followed, instructions followed, instructions) {counts}")
+    for prompts_followed, followed, n_instructions in counts:
+        assert 0 < prompts_followed < 12 and 0 < followed < n_instructions
     assert metrics["eval/prompt_level_strict_acc"] == pytest.approx(sum(map(all, strict)) / 12)
     assert metrics["eval/inst_level_loose_acc"] == pytest.approx(
         sum(map(sum, loose)) / sum(map(len, loose))
@@ -765,7 +771,7 @@ def test_grpo_and_expert_iter_run_on_ifeval(tiny_model_dir, tmp_path, small_ifev
     common = dict(
         model=str(tiny_model_dir),
         dataset="ifeval",
-        data_dir=str(DATA),
+        data_dir=str(data_root()),
         template="question",
         eval_split="test",
         n_eval=2,

@@ -3,6 +3,7 @@ evaluations, the plot is a PNG, and a resumed ladder reruns nothing. (The ladder
 in the README, not asserted here.)"""
 
 import json
+from pathlib import Path
 
 import ladder
 
@@ -22,19 +23,42 @@ def test_ladder_runs_every_stage_and_resumes(tmp_path, monkeypatch):
         n_test=8,
         distill=True,
     )
+    # At these sizes every stage scores 0.0, so a ladder that read another stage's summary would
+    # pass unseen: each evaluation's summary.json gets a number of its own stage (its real
+    # accuracy kept aside) before the ladder reads it.
+    evaluated = ("base", "sft", "expert_iter", "grpo", "gold_sft", "distill")
+    marks = {stage: (i + 1) / 10 + 0.01 for i, stage in enumerate(evaluated)}
+    real_accuracy = {}
+    run = ladder.run
+
+    def run_and_mark(cmd, log, env):
+        seconds = run(cmd, log, env)
+        if cmd[0] == "eval.py":
+            out = Path(cmd[cmd.index("--out-dir") + 1])
+            (summary,) = out.glob("*/summary.json")
+            written = json.loads(summary.read_text())
+            real_accuracy[out.name] = written["metrics"]["eval/accuracy"]
+            written["metrics"]["eval/accuracy"] = marks[out.name]
+            summary.write_text(json.dumps(written))
+        return seconds
+
+    monkeypatch.setattr(ladder, "run", run_and_mark)
     results = ladder.main(args)
     (run_dir,) = tmp_path.glob("ladder__3__*")
 
-    # every stage but the tool row's, which runs with --tools
-    not_run = ("tools_teacher", *ladder.TOOL_STAGES)
+    # every stage but the tool row's, which runs with --tools, and grpo_async's (--grpo-async)
+    not_run = ("tools_teacher", *ladder.TOOL_STAGES, "grpo_async")
     assert list(results) == [stage for stage in ladder.STAGES if stage not in not_run]
-    for stage in ("base", "sft", "expert_iter", "grpo", "gold_sft", "distill"):
+    assert sorted(real_accuracy) == sorted(evaluated)
+    printed = ladder.table(results)
+    for stage in evaluated:
         (summary,) = (run_dir / "eval" / stage).glob("*/summary.json")
         metrics = json.loads(summary.read_text())["metrics"]
         assert metrics["eval/n_problems"] == 8
-        assert results[stage]["accuracy"] == metrics["eval/accuracy"]
+        assert results[stage]["accuracy"] == metrics["eval/accuracy"] == marks[stage]
+        assert f"| {ladder.LABELS[stage]} | {marks[stage]:.1%} |" in printed
         assert results[stage]["seconds"] > 0
-    assert results["base"]["accuracy"] == 0.0  # random weights cannot answer
+    assert real_accuracy["base"] == 0.0  # random weights cannot answer
     # sft.py trained on the teacher's traces, whose answers are right as often as the table says
     rows = [json.loads(line) for line in (run_dir / ladder.TRACES).read_text().splitlines()]
     assert len(rows) == 64

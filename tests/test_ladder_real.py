@@ -17,7 +17,7 @@ import verifiers
 def test_grpo_command_parses_and_a_later_flag_wins(tmp_path):
     import grpo
 
-    args = ladder_real.Args(grpo_steps=7, grpo_flags="--lr 3e-5 --dynamic-sampling")
+    args = ladder_real.Args(grpo_steps=7, grpo_flags="--lr 3e-5 --clip-high 0.28")
     cmd = ladder_real.grpo_command(args, tmp_path / "model", tmp_path)
     assert cmd[0] == "grpo.py"
     parsed = tyro.cli(grpo.Args, args=cmd[1:])
@@ -26,7 +26,7 @@ def test_grpo_command_parses_and_a_later_flag_wins(tmp_path):
     assert parsed.dataset == "ifeval" and parsed.template == "chat"
     # RECIPE says --lr 2e-5; grpo_flags come after it
     assert parsed.lr == 3e-5
-    assert parsed.dynamic_sampling
+    assert parsed.clip_high == 0.28
 
 
 def test_a_stopped_grpo_run_goes_on_from_its_checkpoint(tmp_path):

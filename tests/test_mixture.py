@@ -11,7 +11,6 @@ import json
 import math
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,7 +24,6 @@ import sft
 import verifiers
 from data import mixture_questions_and_seeds, parse_mixture, read_order
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # one folder per dataset
 SIZES = [100, 60, 40, 80]  # four datasets, as gsm8k, math, mbpp, ifeval in a four-way mixture
 
 
@@ -194,12 +192,12 @@ def test_read_order(tmp_path):
         read_order(path, examples)
 
 
-def test_four_way_mixture_on_the_shared_data(tmp_path):
+def test_four_way_mixture_on_the_shared_data(tmp_path, shared_data):
     """The issue's mixture on the real train splits, with a curriculum for MBPP: 200 steps of 16
     questions, N = 3200, each dataset 800 +- 98 (4 sigma); every pick's example names the verifier
     of its dataset."""
     mixture = parse_mixture("gsm8k:0.25,math:0.25,mbpp:0.25,ifeval:0.25")
-    train = [data.load(name, "train", DATA) for name, _ in mixture]
+    train = [data.load(name, "train", shared_data) for name, _ in mixture]
     # the file backwards, as a stand-in for easiest-first
     mbpp_ids = [ex["id"] for ex in train[2]][::-1]
     (tmp_path / "mbpp_order.txt").write_text("\n".join(mbpp_ids) + "\n")
@@ -555,6 +553,7 @@ def test_expert_iteration_on_a_four_way_mixture(
     counts = [sum(m[f"rollout/{name}/count"] for m in metrics[1:]) for name in NAMES]
     assert counts == expected_counts(48, seed=1, steps=[0, 1])
     assert_within_4_sigma(counts)
+    right, responses = dict.fromkeys(NAMES, 0), dict.fromkeys(NAMES, 0)
     for m in metrics[1:]:
         assert sum(m[f"rollout/{name}/count"] for name in NAMES) == 48
         kept_here = [row for row in kept if row["step"] == m["step"]]
@@ -564,8 +563,20 @@ def test_expert_iteration_on_a_four_way_mixture(
             assert (
                 sum(row["dataset"] == name for row in kept_here) <= 2 * m[f"rollout/{name}/count"]
             )
-        drawn = [m[f"rollout/{name}/reward_mean"] for name in NAMES if m[f"rollout/{name}/count"]]
-        assert all(0 <= r <= 1 for r in drawn)
+        # the per-task reward means recount from kept.jsonl: of a task's 2 n responses, n_right =
+        # mean x 2 n are right, and the kept rows are those, a right text kept once a question
+        # (so between n_right / 2 and n_right of them)
+        for name in NAMES:
+            n = m[f"rollout/{name}/count"]
+            if not n:
+                assert m[f"rollout/{name}/reward_mean"] is None, name
+                continue
+            n_right = round(m[f"rollout/{name}/reward_mean"] * 2 * n, 6)
+            assert n_right == int(n_right), (name, n_right)
+            n_kept = sum(row["dataset"] == name for row in kept_here)
+            assert math.ceil(n_right / 2) <= n_kept <= n_right, (name, n_right, n_kept)
+            right[name] += n_right
+            responses[name] += 2 * n
         # the kept rows are the step's right answers, once per question: the real verifier
         # accepts each one's planted gold (even length) or, for IFEval, the response itself
         for row in kept_here:
@@ -573,6 +584,9 @@ def test_expert_iteration_on_a_four_way_mixture(
             planted = len(row["response"]) % 2 == 0 and row["verifier"] != "ifeval"
             response = data.render_response(example, "question") if planted else row["response"]
             assert verifiers.score_batch([response], [example])[0]["reward"] == 1.0, row["id"]
+    # a mix of right and wrong where gold was planted, or the recount proves little
+    print({name: f"{right[name]:.0f} right of {responses[name]}" for name in NAMES})
+    assert all(0 < right[name] < responses[name] for name in ("gsm8k", "math", "mbpp")), right
     assert {row["dataset"] for row in kept} <= set(NAMES) and len(
         {row["dataset"] for row in kept}
     ) >= 3

@@ -12,23 +12,32 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ["sft.py", "expert_iter.py", "grpo.py", "distill.py", "grpo_tools.py"]
-# A variant is a copy of its parent with a changed loop: it carries each of the parent's shared
-# blocks as they are, but for the ones it replaces by a block of its own (another banner).
-VARIANTS = {"grpo_tools.py": "grpo.py"}
+SCRIPTS = [
+    "sft.py",
+    "expert_iter.py",
+    "grpo.py",
+    "grpo_family.py",
+    "distill.py",
+    "grpo_tools.py",
+    "grpo_async.py",
+]
+# A variant is a copy of its parent plus one idea: it carries each of the parent's shared blocks as
+# they are, and may rewrite a function of its parent (the rewrite is its lesson: `diff grpo.py
+# grpo_family.py`); every other function two scripts define is the same copy.
+VARIANTS = {"grpo_tools.py": "grpo.py", "grpo_family.py": "grpo.py", "grpo_async.py": "grpo.py"}
 # A banner at any indentation: the steps inside main that every script shares are checked too.
 BANNER = re.compile(r"^\s*# --- .*---$")
 
 
 def blocks(script: str) -> dict[str, str]:
-    """Banner line -> the text from it up to the next banner (or `def main`), for every banner of
-    one script."""
+    """Banner line -> the text from it up to the next banner (or `def main`, or the command line
+    at the end), for every banner of one script."""
     out, title = {}, None
     for line in (ROOT / script).read_text().splitlines(keepends=True):
         if BANNER.match(line):
             title = line.strip()
             out[title] = ""
-        elif line.startswith("def main("):
+        elif line.startswith(("def main(", 'if __name__ == "__main__":')):
             title = None
         if title:
             out[title] += line
@@ -95,13 +104,29 @@ def test_shared_blocks_come_in_the_same_order(a, b):
     assert order(a) == order(b)
 
 
+def rewritten(script: str) -> set[str]:
+    """The functions a variant rewrites: those its parent defines otherwise (none elsewhere)."""
+    if script not in VARIANTS:
+        return set()
+    mine, parents = functions(script), functions(VARIANTS[script])
+    return {name for name in mine if name in parents and mine[name] != parents[name]}
+
+
 @pytest.mark.parametrize(("a", "b"), list(combinations(SCRIPTS, 2)))
 def test_every_function_two_scripts_define_is_an_identical_copy(a, b):
     fa, fb = functions(a), functions(b)
     common = sorted(set(fa) & set(fb) - {"main"})
     assert common  # every pair shares at least the engine and the evaluation
     different = [name for name in common if fa[name] != fb[name]]
+    # a variant's rewrites of its parent's functions are its lesson
+    different = [name for name in different if name not in rewritten(a) | rewritten(b)]
     assert not different, f"{a} and {b} define different {different}"
+
+
+def test_a_variant_rewrites_few_functions():
+    """A rung adds one idea: it rewrites a handful of its parent's functions, not the script."""
+    for variant in VARIANTS:
+        assert len(rewritten(variant)) <= 12, (variant, sorted(rewritten(variant)))
 
 
 NAMED = ["evaluate", "log_generations", "reload_and_check", "resolve_devices", "resume_from"]

@@ -11,13 +11,11 @@ found and fixed or documented: none.
 import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from conftest import data_root
 
 import verifiers
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def gsm8k(response, gold="18"):
@@ -361,7 +359,7 @@ def test_megabyte_response_is_fast(kind, verifier, gold):
 
 
 def test_every_gsm8k_test_solution_scores_one():
-    rows = read_jsonl(DATA / "gsm8k" / "test.jsonl")
+    rows = read_jsonl(data_root() / "gsm8k" / "test.jsonl")
     misses = []
     for row in rows:
         gold = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
@@ -371,7 +369,7 @@ def test_every_gsm8k_test_solution_scores_one():
 
 
 def test_every_math500_solution_scores_one():
-    rows = read_jsonl(DATA / "math" / "math500.jsonl")
+    rows = read_jsonl(data_root() / "math" / "math500.jsonl")
     against_boxed = sum(
         math(row["solution"], verifiers.last_boxed_in_response(row["solution"]))["reward"]
         for row in rows

@@ -1,0 +1,374 @@
+"""grpo_family.py: the research family's losses and sampling, checked by hand on small tensors
+(GSPO, CISPO, the three loss aggregations and the per-token weights of aggregate_loss's table,
+which groups carry a signal and which responses are trained on); the properties the family relies
+on (microbatches accumulate to the batch's gradient, padding changes nothing, the on-policy
+clipped loss has the REINFORCE gradient, in every aggregation); its argument checks; and runs
+with a real vLLM engine on the tiny model: dynamic sampling fills the batch and resumes exactly,
+non-finite updates of a batch of all groups are skipped and then stop the run. grpo.py's own
+losses and loop: tests/test_grpo.py.
+
+As there, the tiny model's weights are random and the real verifier gives every response 0: the
+runs replace verifiers.score with `letter_reward` (the share of letters in the response).
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import interrupted_at_call
+
+import grpo_family
+from grpo_family import (
+    Args,
+    aggregate_loss,
+    compute_k3_kl,
+    compute_policy_gradient_loss,
+    groups_with_signal,
+    grpo_microbatch_train_step,
+)
+
+# --- the family's per-token losses ---
+
+
+def test_gspo_loss_by_hand():
+    # Response 0: log p - log p_old = [ln 2, 0] over 2 tokens: s = exp(ln 2 / 2) = sqrt 2 = 1.41421;
+    # A = 1. Response 1: [ln 1/2] over 1 token (then padding, left out of the mean): s = 1/2; A =
+    # -1. Range 0.2: both clipped (sqrt 2 > 1.2, A > 0: -1.2; 1/2 < 0.8, A < 0: -min(-0.5, -0.8) =
+    # 0.8), no gradient. Range 10: unclipped, -s A on every token of the response; d/d log p_t = -A
+    # s / |o_i| = -0.70711 (row 0), and 1/2 / 1 = 0.5 (row 1), 0 on the padding.
+    old = torch.zeros(2, 2)
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
+    advantages = torch.tensor([[1.0], [-1.0]])
+    for cliprange, loss_0, loss_1, grad in [
+        (0.2, -1.2, 0.8, [[0.0, 0.0], [0.0, 0.0]]),
+        (10.0, -math.sqrt(2), 0.5, [[-math.sqrt(2) / 2] * 2, [0.5, 0.0]]),
+    ]:
+        log_probs = torch.tensor([[math.log(2), 0.0], [-math.log(2), 5.0]], requires_grad=True)
+        loss, meta = compute_policy_gradient_loss(
+            log_probs,
+            "gspo",
+            advantages=advantages,
+            old_log_probs=old,
+            cliprange=cliprange,
+            response_mask=mask,
+        )
+        assert loss.shape == (2, 2) and loss[:, 0].tolist() == pytest.approx([loss_0, loss_1])
+        assert meta["clipped"].all() == (cliprange == 0.2)
+        loss[:, 0].sum().backward()  # one loss per response: its first token's
+        assert [
+            row == pytest.approx(g) for row, g in zip(log_probs.grad.tolist(), grad, strict=True)
+        ] == [True, True]
+    with pytest.raises(ValueError, match="needs response_mask"):
+        compute_policy_gradient_loss(
+            old, "gspo", advantages=advantages, old_log_probs=old, cliprange=0.2
+        )
+
+
+def test_cispo_loss_keeps_the_gradient_of_clipped_tokens():
+    # p / p_old = [0.5 / 0.25, 0.5 / 0.5] = [2, 1]; range (1, 0.28): weights [1.28, 1] (detached); A
+    # = 2. loss = -w A log p = [-1.28 * 2 * ln 0.5, -2 ln 0.5] = [1.77446, 1.38629]; d/d log p = -w
+    # A = [-2.56, -2]. grpo_clip on the same tokens: the first is clipped (r = 2 > 1.28, A > 0):
+    # gradient 0 there.
+    old = torch.tensor([[math.log(0.25), math.log(0.5)]])
+    advantages = torch.tensor([[2.0]])
+    grads = {}
+    for loss_type in ("cispo", "grpo_clip"):
+        log_probs = torch.full((1, 2), math.log(0.5), requires_grad=True)
+        loss, meta = compute_policy_gradient_loss(
+            log_probs, loss_type, advantages=advantages, old_log_probs=old, cliprange=(1.0, 0.28)
+        )
+        loss.sum().backward()
+        grads[loss_type] = log_probs.grad.tolist()[0]
+        assert meta["clipped"].tolist() == [[True, False]]
+        if loss_type == "cispo":
+            assert loss.tolist()[0] == pytest.approx([1.28 * 2 * math.log(2), 2 * math.log(2)])
+    assert grads["cispo"] == pytest.approx([-2.56, -2.0])
+    assert grads["grpo_clip"] == pytest.approx([0.0, -2.0])  # -A r = -2 * 1 on the unclipped token
+
+
+# --- the loss as grpo_update puts it together: aggregations, accumulation, padding ---
+
+# The aggregate_loss docstring's weights: one batch of two responses of 4 and 7 tokens, padded to 9.
+MASK = torch.tensor([[1] * 4 + [0] * 5, [1] * 7 + [0] * 2], dtype=torch.bool)
+WEIGHTS = {
+    # 1 / (N |o_i|), N = 2
+    "sequence_mean": torch.tensor([[1 / 8] * 4 + [0] * 5, [1 / 14] * 7 + [0] * 2]),
+    "token_mean": MASK / 11,  # 1 / (4 + 7)
+    "constant": MASK / 16,  # 1 / (N L), L = 8
+}
+ADVANTAGES = torch.tensor([[1.5], [-2.0]])
+
+
+def microbatch_loss(
+    log_probs,
+    mask=MASK,
+    advantages=ADVANTAGES,
+    loss_type="reinforce_with_baseline",
+    loss_aggregation="sequence_mean",
+    n_sequences=2,
+    n_tokens=11,
+    old_log_probs=None,
+    cliprange=0.2,
+    ref_log_probs=None,
+    beta=0.0,
+    engine_log_probs=None,
+    is_cap=None,
+):
+    """One microbatch's loss from leaf log-probs, put together as grpo_update does it (the
+    policy-gradient loss, the IS weight, the k3 KL, the aggregation), backward included: (loss,
+    gradient wrt the log-probs, per-token metadata). By default the whole batch of MASK."""
+    log_probs = log_probs.clone().requires_grad_(True)
+    old = log_probs.detach() if old_log_probs is None else old_log_probs
+    per_token, meta = compute_policy_gradient_loss(
+        log_probs, loss_type, None, advantages, old, cliprange, mask
+    )
+    if engine_log_probs is not None:
+        meta["engine_gap"] = (old - engine_log_probs).abs()
+    if is_cap is not None:
+        weights, meta["above_is_cap"] = grpo_family.engine_importance_weights(
+            old, engine_log_probs, is_cap
+        )
+        per_token = per_token * weights
+    if beta > 0:
+        meta["kl"] = compute_k3_kl(log_probs, ref_log_probs).detach()
+        per_token = per_token + beta * compute_k3_kl(log_probs, ref_log_probs)
+    loss = aggregate_loss(per_token, mask, loss_aggregation, n_sequences, n_tokens, 8)
+    loss.backward()
+    return loss.detach(), log_probs.grad, meta
+
+
+@pytest.mark.parametrize("aggregation", list(WEIGHTS))
+def test_aggregation_weights_match_the_docstring_table(aggregation):
+    torch.manual_seed(0)
+    log_probs = -torch.rand(2, 9)
+    loss, grad, _ = microbatch_loss(log_probs, loss_aggregation=aggregation)
+    # loss = sum_it w_it (-A_i log p_it), so d loss / d log p_it = -A_i w_it, and 0 on padding.
+    assert torch.allclose(grad, -ADVANTAGES * WEIGHTS[aggregation])
+    assert loss.item() == pytest.approx(
+        (WEIGHTS[aggregation] * -ADVANTAGES * log_probs).sum().item()
+    )
+
+
+def test_grpo_microbatch_train_step_is_cs336s_and_the_updates_sequence_mean():
+    # CS336's step: masked_mean(loss, mask, dim=-1).mean() / gradient_accumulation_steps, each
+    # row's mean over its response tokens, then the mean over rows. It is the update's
+    # sequence_mean over a minibatch of 4 microbatches of these 2 rows: N = 2 x 4.
+    torch.manual_seed(0)
+    log_probs = -torch.rand(2, 9)
+    log_probs_leaf = log_probs.clone().requires_grad_(True)
+    loss, _ = grpo_microbatch_train_step(
+        log_probs_leaf, MASK, 4, "reinforce_with_baseline", advantages=ADVANTAGES
+    )
+    expected = ((-ADVANTAGES * log_probs * MASK).sum(-1) / MASK.sum(-1)).mean() / 4
+    assert loss.item() == pytest.approx(expected.item())
+    _, grad, _ = microbatch_loss(log_probs, n_sequences=8)
+    assert torch.allclose(log_probs_leaf.grad, grad)
+
+
+@pytest.mark.parametrize("aggregation", list(WEIGHTS))
+def test_microbatches_accumulate_to_the_batch_gradient(aggregation):
+    # The batch in one microbatch, or in two microbatches of one response each (of different
+    # lengths) given the batch's counts: the same accumulated gradient.
+    torch.manual_seed(0)
+    log_probs = -torch.rand(2, 9)
+    _, whole, _ = microbatch_loss(log_probs, loss_aggregation=aggregation)
+    parts = []
+    for i in range(2):
+        _, grad, _ = microbatch_loss(
+            log_probs[i : i + 1],
+            MASK[i : i + 1],
+            ADVANTAGES[i : i + 1],
+            loss_aggregation=aggregation,
+            n_sequences=2,
+            n_tokens=11,
+        )
+        parts.append(grad)
+    assert torch.allclose(torch.cat(parts), whole)
+
+
+@pytest.mark.parametrize("aggregation", list(WEIGHTS))
+@pytest.mark.parametrize("loss_type", ["reinforce_with_baseline", "grpo_clip"])
+def test_padding_changes_neither_loss_nor_gradient(aggregation, loss_type):
+    torch.manual_seed(0)
+    log_probs, old = -torch.rand(2, 9), -torch.rand(2, 9)
+    kwargs = {"loss_type": loss_type, "loss_aggregation": aggregation, "old_log_probs": old}
+    loss, grad, _ = microbatch_loss(log_probs, **kwargs)
+    # Three more positions, masked out, with arbitrary (finite) values in every input.
+    pad = torch.tensor([[-50.0, 3.0, -0.1], [7.0, -9.0, 0.0]])
+    padded_mask = torch.cat([MASK, torch.zeros(2, 3, dtype=torch.bool)], dim=1)
+    kwargs["old_log_probs"] = torch.cat([old, pad.flip(0)], dim=1)
+    padded_loss, padded_grad, _ = microbatch_loss(
+        torch.cat([log_probs, pad], dim=1), padded_mask, **kwargs
+    )
+    assert padded_loss.item() == pytest.approx(loss.item(), abs=1e-7)
+    assert torch.allclose(padded_grad[:, :9], grad)
+    assert torch.equal(padded_grad[:, 9:], torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("aggregation", list(WEIGHTS))
+def test_on_policy_clipped_loss_has_the_reinforce_gradient(aggregation):
+    # First step on a rollout batch: policy == old policy, ratio 1. Clipping is inactive and d(r
+    # A)/d log p = A r = A: the same gradient as -A log p, and a clip fraction of 0.
+    torch.manual_seed(0)
+    log_probs = -torch.rand(2, 9)
+    _, reinforce, _ = microbatch_loss(log_probs, loss_aggregation=aggregation)
+    _, clipped, meta = microbatch_loss(
+        log_probs,
+        loss_type="grpo_clip",
+        old_log_probs=log_probs.clone(),
+        loss_aggregation=aggregation,
+    )
+    assert torch.allclose(clipped, reinforce, atol=1e-7)
+    assert not meta["clipped"].any()
+
+
+def test_unknown_aggregation_and_missing_constant():
+    with pytest.raises(ValueError, match="unknown loss_aggregation"):
+        microbatch_loss(torch.zeros(2, 9), loss_aggregation="sum")
+    with pytest.raises(ValueError, match="normalize_constant"):
+        aggregate_loss(torch.zeros(2, 9), MASK, "constant", 2, 11, None)
+
+
+# --- which responses are trained on ---
+
+
+def test_groups_with_signal():
+    # Groups of 2: all correct, all wrong, mixed. With an advantage only the mixed group has a
+    # gradient; with no_baseline (-r log p) the all-correct group has one too (dropping it would
+    # bias REINFORCE), the all-wrong none.
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    assert groups_with_signal(rewards, 2, "no_baseline").tolist() == [True, False, True]
+    for loss_type in ("reinforce_with_baseline", "grpo_clip"):
+        assert groups_with_signal(rewards, 2, loss_type).tolist() == [False, False, True]
+
+
+def test_responses_to_train():
+    # Groups of 2: mixed, all equal, mixed, mixed. At most 2 groups: the first two with a signal
+    # (groups 0 and 2); response 1 was cut off at --max-tokens.
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    truncated = [False, True] + [False] * 6
+    args = Args(group_size=2)
+    assert grpo_family.responses_to_train(rewards, truncated, 2, args) == [0, 1, 4, 5]
+    assert grpo_family.responses_to_train(rewards, truncated, 4, args) == [0, 1, 4, 5, 6, 7]
+    masked = Args(group_size=2, mask_truncated=True)
+    assert grpo_family.responses_to_train(rewards, truncated, 2, masked) == [0, 4, 5]
+    every_group = Args(group_size=2, drop_zero_variance_groups=False)
+    assert grpo_family.responses_to_train(rewards, truncated, 2, every_group) == list(range(8))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"loss_type": "ppo"}, "unknown loss_type"),
+        ({"loss_aggregation": "sum"}, "unknown loss_aggregation"),
+        (
+            {"dynamic_sampling": True, "drop_zero_variance_groups": False},
+            "drops zero-variance groups",
+        ),
+    ],
+)
+def test_argument_errors_before_the_engine_starts(overrides, message, monkeypatch):
+    monkeypatch.setattr(
+        grpo_family, "init_vllm", lambda *a: pytest.fail("the engine must not start")
+    )
+    with pytest.raises(ValueError, match=message):
+        grpo_family.main(Args(**overrides))
+
+
+# --- end to end: the real engine on the tiny model ---
+
+
+def letter_reward(response, example):
+    """Test-only reward: the share of letters in the response. Random text scores unevenly: groups
+    carry a signal."""
+    reward = sum(c.isalpha() for c in response) / max(len(response), 1)
+    return {"reward": reward, "format_reward": 0.0, "answer_reward": reward}
+
+
+def tiny_args(tiny_model_dir, tmp_path, **overrides):
+    # The "question" template: short prompts (~30 tokens, not ~120) make every forward pass cheaper.
+    args = dict(
+        model=str(tiny_model_dir),
+        dataset="synthetic",
+        template="question",
+        output_dir=str(tmp_path),
+        n_grpo_steps=3,
+        rollout_batch_size=16,
+        group_size=4,
+        train_batch_size=16,
+        microbatch_size=16,
+        max_tokens=8,
+        lr=1e-2,
+        eval_every=1000,
+        n_eval=2,
+        eval_max_tokens=4,
+        n_log_generations=1,
+    )
+    return Args(**{**args, **overrides})
+
+
+@pytest.fixture
+def small_train_split(monkeypatch):
+    """The first 256 synthetic train problems, not 20,000: main() tokenizes every train prompt once
+    (to size the engine's context), which takes seconds on a CPU."""
+    load = grpo_family.data.load
+    monkeypatch.setattr(
+        grpo_family.data,
+        "load",
+        lambda name, split, data_dir=None: load(name, split, data_dir)[:256],
+    )
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.usefixtures("small_train_split")
+def test_dynamic_sampling_fills_the_batch_with_signal_and_resumes_exactly(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    # Only the questions with an even id digit sum carry a signal (letter_reward); the others score
+    # 0 throughout. A draw of 4 questions holds ~2 such groups: the step draws again until 4 groups
+    # have a signal, at most 4 times.
+    signal, zero = (
+        lambda example: sum(map(ord, str(example["id"]))) % 2 == 0,
+        {"reward": 0.0, "format_reward": 0.0},
+    )
+    monkeypatch.setattr(
+        grpo_family.verifiers, "score", lambda r, ex: letter_reward(r, ex) if signal(ex) else zero
+    )
+    kwargs = dict(n_grpo_steps=2, save_every=1, dynamic_sampling=True, max_draws=4)
+    full = grpo_family.main(tiny_args(tiny_model_dir, tmp_path / "full", **kwargs))
+    rollouts, metrics = read_jsonl(full / "rollouts.jsonl"), read_jsonl(full / "metrics.jsonl")[1:]
+    for m in metrics:
+        groups = [g for g in rollouts if g["step"] == m["step"]]
+        assert len(groups) == 4 * m["rollout/n_draws"]  # whole draws of 4 questions
+        trained = [any(g["trained"]) for g in groups]
+        with_signal = [len(set(g["rewards"])) > 1 for g in groups]
+        # the first 4
+        assert trained == [s and sum(with_signal[: i + 1]) <= 4 for i, s in enumerate(with_signal)]
+        assert sum(trained) == 4 or m["rollout/n_draws"] == 4
+    assert max(m["rollout/n_draws"] for m in metrics) > 1
+
+    # Stopped during step 2 and resumed: the same draws (from seed, step and the draw's index), the
+    # same samples.
+    with interrupted_at_call(grpo_family, "reload_and_check", 3):
+        grpo_family.main(tiny_args(tiny_model_dir, tmp_path / "stopped", **kwargs))
+    (stopped,) = (tmp_path / "stopped").iterdir()
+    resumed = grpo_family.main(
+        tiny_args(tiny_model_dir, tmp_path / "stopped", resume=str(stopped), **kwargs)
+    )
+    assert read_jsonl(resumed / "rollouts.jsonl") == rollouts
+
+
+@pytest.mark.usefixtures("small_train_split")
+def test_non_finite_updates_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path, monkeypatch):
+    nan_reward = lambda response, example: {"reward": float("nan"), "format_reward": 0.0}
+    monkeypatch.setattr(grpo_family.verifiers, "score", nan_reward)
+    args = tiny_args(tiny_model_dir, tmp_path, train_batch_size=4, drop_zero_variance_groups=False)
+    with (
+        pytest.warns(UserWarning, match="not finite"),
+        pytest.raises(RuntimeError, match="3 non-finite updates"),
+    ):
+        grpo_family.main(args)
