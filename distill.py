@@ -12,7 +12,8 @@ lowers its reverse KL(p || q) to the teacher on its own samples: no verifier is 
   5. Log, evaluate, save.
 
 Deliberate simplifications:
-  1. Generation and training take turns; more GPUs: data parallel, a whole model per rank.
+  1. Generation and training take turns (grpo_async.py overlaps them); more GPUs: data
+     parallel, a whole model per rank.
   2. The KL is estimated on the sampled token, not over the vocabulary, at each position alone
      (no credit to later tokens).
   3. One optimizer step per rollout batch: on-policy, no ratio, no clipping.

@@ -22,7 +22,8 @@ The family (docs/grpo_family.md: its table, and a run of each from one checkpoin
 watch rollout/reward_mean.
 
 Deliberate simplifications:
-  1. Generation and training take turns; more GPUs: data parallel, a whole model per rank.
+  1. Generation and training take turns (grpo_async.py overlaps them); more GPUs: data
+     parallel, a whole model per rank.
   2. Groups with no reward signal are left out (--dynamic-sampling draws more questions).
   3. The reward is the verifier's, with DAPO's soft overlong penalty as an option.
   4. By default the clipped surrogate, a mean over all the tokens of a minibatch (as DAPO, TRL).

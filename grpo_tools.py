@@ -30,7 +30,8 @@ train/loss sits near 0 while the model learns: watch rollout/reward_mean. The re
 grpo_family.py: `diff grpo.py grpo_family.py` shows what each adds.
 
 Deliberate simplifications:
-  1. Generation and training take turns; more GPUs: data parallel, a whole model per rank.
+  1. Generation and training take turns (grpo_async.py overlaps them); more GPUs: data
+     parallel, a whole model per rank.
   2. Groups whose rewards are all equal are left out: their advantages are 0.
   3. The reward is the verifier's, with DAPO's soft overlong penalty as an option.
   4. One loss: the clipped surrogate, a mean over all the tokens of a minibatch (as DAPO, TRL).
