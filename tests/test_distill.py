@@ -52,8 +52,8 @@ def test_group_normalize_by_hand():
     # 1, 1, 1]: all 0.
     advantages = distill.group_normalize(torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1]), 4, 0.0, True)
     assert advantages[:4].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5])
-    # 0 / 0 with eps = 0
-    assert advantages[4:].abs().max().item() < 1e-6 or torch.isnan(advantages[4:]).all()
+    # 0 / 0 with eps = 0: NaN in IEEE arithmetic on every CPU (distill.py passes eps 1e-6, below)
+    assert torch.isnan(advantages[4:]).all()
     # distill.py's eps, 1e-6
     assert (
         distill.group_normalize(torch.tensor([1.0, 1, 1, 1]), 4, 1e-6, True).tolist() == [0.0] * 4

@@ -927,11 +927,14 @@ def test_resume_ends_where_an_uninterrupted_run_does(tiny_model_dir, tmp_path, m
     ).state_dict()
     # it did train
     assert any(not torch.equal(start[key], value) for key, value in final["full"].items())
+    # step 0 is the evaluation before training: no rollouts; every later step has its reward (a
+    # key missing from both runs raises here instead of comparing None with None)
     logged = lambda run: [
-        (m["step"], m.get("rollout/reward_mean")) for m in read_jsonl(run / "metrics.jsonl")
+        (m["step"], m["rollout/reward_mean"] if m["step"] else None)
+        for m in read_jsonl(run / "metrics.jsonl")
     ]
     # one record per step, no leftovers of the stopped step 2
-    assert logged(resumed) == logged(full)
+    assert logged(resumed) == logged(full) and [step for step, _ in logged(full)] == [0, 1, 2]
     last = read_jsonl(full / "metrics.jsonl")[-1]
     # 2 epochs x 2 minibatches; the policy has moved
     assert last["train/n_updates"] == 4 and last["train/kl"] > 0
