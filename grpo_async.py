@@ -611,9 +611,8 @@ def grpo_update(
             if key in totals:
                 metrics[name] = totals[key] / max(totals["tokens"], 1)
         if "is_weight" in totals:
-            mean = metrics.pop("train/is_weight_mean")
-            variance = metrics.pop("train/is_weight_sq_mean") - mean**2
-            metrics["train/is_weight_mean"] = mean
+            # E[w^2] - E[w]^2, clamped: rounding can take a spread of ~0 below 0
+            variance = metrics.pop("train/is_weight_sq_mean") - metrics["train/is_weight_mean"] ** 2
             metrics["train/is_weight_std"] = math.sqrt(max(variance, 0.0))
     return metrics, n_bad_in_a_row
 
