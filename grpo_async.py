@@ -633,8 +633,9 @@ def main(args: Args) -> Path:
     print(f"run folder {run_dir}; trainer on {policy_device}, vLLM on {vllm_device}")
     if args.max_staleness and vllm_device == policy_device != "cpu":
         # measured with bench/overlap_gpu.py: docs/async.md
-        message = f"the engine and the trainer share {vllm_device}: on one H100 the two at once"
-        warnings.warn(f"{message} took 1.7-2x as long as in turns; --max-staleness 0", stacklevel=1)
+        message = f"the engine and the trainer share {vllm_device}: on one H100 two threads at once"
+        message += " took 1.7-2x as long as in turns (the interpreter lock)"
+        warnings.warn(f"{message}; --max-staleness 0", stacklevel=1)
     print(f"starting from {model_path}")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     task.tokenizer = tokenizer

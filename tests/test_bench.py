@@ -2,6 +2,8 @@
 prints those). They import as bench.<name>, as `python -m bench.<name>` runs them from the
 repository root (conftest's sys.path)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
@@ -178,3 +180,35 @@ def test_overlap_gpu_bench_times_each_side_apart_at_once_and_in_a_process():
     )
     seconds = overlap_gpu.main(args)
     assert all(seconds[key] > 0 for key in ("generate_s", "train_s", "both_s", "process_s"))
+
+
+def test_real_step_bench_splits_grpo_py_steps_into_phases(work, shared_data):
+    """bench/real_step.py on the tiny model (the real one takes minutes a step): ladder_real.py's
+    recipe at a small batch, 2 steps, each split into its phases, the median of step 2 alone."""
+    from bench import real_step
+
+    model = grpo_step.make_model(Path(work), "tiny")
+    small = ["--rollout-batch-size", "8", "--group-size", "4", "--train-batch-size", "8"]
+    small += ["--max-tokens", "16", "--ifeval-partial-credit", "1.0", "--overlong-buffer", "0"]
+    result = real_step.main(
+        real_step.Args(
+            steps=2, model=model, data_dir=str(shared_data), grpo_args=small, work_dir=work
+        )
+    )
+    assert len(result["steps"]) == 2
+    for step in result["steps"]:
+        phases = [step[f"{p}_s"] for p in ("generate", "score", "train", "reload")]
+        assert all(s > 0 for s in phases) and step["step_s"] == pytest.approx(sum(phases))
+    assert result["median"]["step_s"] == result["steps"][1]["step_s"]
+    # MFU by hand: 6 x parameters x trained tokens/s over the measured peak
+    m = result["median"]
+    expected = 6 * result["n_params"] * m["train_tokens_s"] / (result["peak_tflops"] * 1e12)
+    assert m["train_mfu"] == pytest.approx(expected)
+    assert 0.845e6 < result["n_params"] < 0.855e6
+
+
+def test_mfu_by_hand():
+    from bench import real_step
+
+    # 100 tokens/s x 6 x 135e6 FLOPs = 81 GFLOP/s of a 0.162 TFLOP/s peak: half
+    assert real_step.mfu(100.0, 6 * 135e6, 0.162) == pytest.approx(0.5)

