@@ -136,6 +136,9 @@ class Args:
     """passes over each rollout batch; more than 1 is off-policy"""
     microbatch_size: int = 2
     """examples per forward/backward pass (gradients accumulate)"""
+    share_prompt: bool = False
+    """a microbatch holds one prompt's responses, and the prompt runs through the model once
+    (shared_prompt_log_probs): the same update to float rounding, less work for long prompts"""
     max_grad_norm: float = 1.0
     """clip the gradient's global L2 norm to this"""
     # --- grpo ---
@@ -608,6 +611,8 @@ def grpo_update(
             reference, batch, lengths, every_local_row, args.microbatch_size, args.temperature
         )
 
+    # --share-prompt: each microbatch one prompt's responses, the prompt run once
+    split = prompt_microbatches if args.share_prompt else microbatches
     # summed over the response tokens, on the device: no sync per microbatch
     token_sums = {}
     losses = []
@@ -616,13 +621,14 @@ def grpo_update(
         # every rank's response tokens: the token mean's divisor
         n_tokens = int(batch["response_mask"][rows].sum())
         minibatch_loss = torch.zeros((), device=policy.device)
-        for micro_rows, micro in microbatches(
-            batch, local_rows[i], lengths, args.microbatch_size, device
-        ):
+        for micro_rows, micro in split(batch, local_rows[i], lengths, args.microbatch_size, device):
             with autocast:
-                out = get_response_log_probs(
-                    policy, micro["input_ids"], micro["labels"], True, args.temperature
-                )
+                if args.share_prompt:
+                    out = shared_prompt_log_probs(policy, micro, True, args.temperature)
+                else:
+                    out = get_response_log_probs(
+                        policy, micro["input_ids"], micro["labels"], True, args.temperature
+                    )
             log_probs = out["log_probs"]  # (b, T)
             mask = micro["response_mask"]  # (b, T)
             width = mask.shape[1]
@@ -1026,6 +1032,90 @@ def write_rollouts(
             }
         )
     append_jsonl(path, records)
+
+
+# --- PLUMBING: a group's prompt through the model once (--share-prompt; bench/shared_prompt.py) ---
+
+
+def prompt_microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, device: str):
+    """microbatches, each of one prompt's responses: a group's rows, or the part of it a
+    minibatch holds."""
+    by_prompt = {}
+    for i in rows:
+        # the prompt: the input ids before the first label that is a response token
+        n_prompt = int(tensors["response_mask"][i].int().argmax()) + 1
+        by_prompt.setdefault(tuple(tensors["input_ids"][i, :n_prompt].tolist()), []).append(i)
+    for prompt_rows in by_prompt.values():
+        yield from microbatches(tensors, prompt_rows, lengths, size, device)
+
+
+def shared_prompt_log_probs(
+    model,
+    micro: dict,
+    return_token_entropy: bool = False,
+    temperature: float = 1.0,
+    chunk_size: int = 256,
+) -> dict[str, torch.Tensor]:
+    """get_response_log_probs for the rows of a microbatch that share their prompt: the prompt
+    and every row's response go through the model as ONE sequence, each response attending to
+    the prompt and to itself (a 4D mask, each response's positions counted on from the prompt's),
+    so the prompt runs once and no padding runs at all. The same numbers to float rounding where
+    a row has tokens (tests/test_grpo.py); the padding's positions are 0. A group of G rows of
+    prompt P and responses R_i costs P + sum R_i tokens, not G (P + max R_i)."""
+    ids, labels, mask = micro["input_ids"], micro["labels"], micro["response_mask"]
+    n, width = ids.shape
+    n_prompt = int(mask[0].int().argmax()) + 1
+    ends = [int(row.nonzero().max()) + 1 for row in mask]  # each row's tokens: ids[i, :end]
+    if not (ids[:, :n_prompt] == ids[:1, :n_prompt]).all():
+        raise ValueError("shared_prompt_log_probs: the rows do not share their prompt")
+    # one sequence: the prompt, then each row's own tokens, at the positions they have in the row
+    packed = [ids[0, :n_prompt], *(ids[i, n_prompt:end] for i, end in enumerate(ends))]
+    segment = torch.cat([torch.full((len(p),), s) for s, p in enumerate(packed)])  # (N,)
+    positions = torch.cat([torch.arange(len(p)) + (s > 0) * n_prompt for s, p in enumerate(packed)])
+    order = torch.arange(len(segment))
+    # a token sees the tokens before it in the prompt or in its own segment
+    sees = (segment[None, :] == 0) | (segment[None, :] == segment[:, None])
+    sees &= order[None, :] <= order[:, None]  # (N, N)
+    if model.config._attn_implementation == "eager":
+        sees = torch.zeros(sees.shape).masked_fill(~sees, torch.finfo(torch.float32).min)
+    device = ids.device
+    hidden = model.base_model(
+        torch.cat(packed)[None],
+        attention_mask=sees[None, None].to(device),
+        position_ids=positions[None].to(device),
+    ).last_hidden_state[0]  # (N, H)
+    # which (row, position) of the (n, T) layout each hidden state predicts: the prompt's
+    # positions once (their labels are the prompt's), its last once per row, then each row's own
+    at_row, at_col, take = [], [], []
+    sizes = [len(p) for p in packed]
+    starts = [sum(sizes[:s]) for s in range(len(sizes))]
+    for i, end in enumerate(ends):
+        at_row += [i] * (end - n_prompt + 1)
+        at_col += range(n_prompt - 1, end)
+        take += [n_prompt - 1, *range(starts[i + 1], starts[i + 1] + end - n_prompt)]
+    rows = torch.cat([hidden[: n_prompt - 1], hidden[take]])
+    targets = torch.cat([labels[0, : n_prompt - 1], labels[at_row, at_col]])
+    head = model.get_output_embeddings()
+    log_probs, entropies = [], []
+    for h, y in zip(rows.split(chunk_size), targets.split(chunk_size), strict=True):
+        log_p, entropy = checkpoint(
+            chunk_log_probs, h, y, head, temperature, return_token_entropy, use_reentrant=False
+        )
+        log_probs.append(log_p)
+        entropies.append(entropy)
+
+    def laid_out(values: list[torch.Tensor]) -> torch.Tensor:
+        flat = torch.cat(values)
+        shared = flat[: n_prompt - 1].expand(n, n_prompt - 1)  # the prompt's, in every row
+        rest = torch.zeros(n, width - n_prompt + 1, dtype=flat.dtype, device=device)
+        index = (torch.tensor(at_row), torch.tensor(at_col) - (n_prompt - 1))
+        rest = rest.index_put(tuple(t.to(device) for t in index), flat[n_prompt - 1 :])
+        return torch.cat([shared, rest], dim=1)  # (n, T), 0 in the padding
+
+    result = {"log_probs": laid_out(log_probs)}
+    if return_token_entropy:
+        result["token_entropy"] = laid_out(entropies)
+    return result
 
 
 # --- CS336's GRPO functions, the contract (tests/test_cs336_contract.py); grpo_update calls one ---

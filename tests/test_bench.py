@@ -188,11 +188,11 @@ def test_real_step_bench_splits_grpo_py_steps_into_phases(work, shared_data):
     from bench import real_step
 
     model = grpo_step.make_model(Path(work), "tiny")
-    small = ["--rollout-batch-size", "8", "--group-size", "4", "--train-batch-size", "8"]
-    small += ["--max-tokens", "16", "--ifeval-partial-credit", "1.0", "--overlong-buffer", "0"]
+    small = "--rollout-batch-size 8 --group-size 4 --train-batch-size 8 --max-tokens 16"
+    small += " --ifeval-partial-credit 1.0 --overlong-buffer 0"
     result = real_step.main(
         real_step.Args(
-            steps=2, model=model, data_dir=str(shared_data), grpo_args=small, work_dir=work
+            steps=2, model=model, data_dir=str(shared_data), grpo_flags=small, work_dir=work
         )
     )
     assert len(result["steps"]) == 2
@@ -212,3 +212,13 @@ def test_mfu_by_hand():
 
     # 100 tokens/s x 6 x 135e6 FLOPs = 81 GFLOP/s of a 0.162 TFLOP/s peak: half
     assert real_step.mfu(100.0, 6 * 135e6, 0.162) == pytest.approx(0.5)
+
+
+def test_shared_prompt_bench_times_both_sides_and_finds_them_equal():
+    from bench import shared_prompt
+
+    args = shared_prompt.Args(model="tiny", prompt_len=24, response_len=8, group_size=4, repeats=1)
+    result = shared_prompt.main(args)
+    assert result["plain"]["seconds"] > 0 and result["shared"]["seconds"] > 0
+    # float rounding only (measured ~1e-6 of a gradient's largest entry)
+    assert result["max_log_prob_diff"] < 1e-4 and result["max_grad_diff"] < 1e-4

@@ -509,6 +509,110 @@ def test_the_update_steps_by_the_gradient_of_its_loss_on_the_whole_batch(tiny_mo
     )
 
 
+def group_batch(prompt_lengths: list[int], group_size: int, seed: int = 0):
+    """Groups of responses to shared prompts, collated as grpo.main does, the rows shuffled (as a
+    minibatch's are); a response of each group begins with its group's first response's token."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, outputs = [], []
+    for n_prompt in prompt_lengths:
+        prompt = torch.randint(3, 300, (n_prompt,), generator=g).tolist()
+        first = int(torch.randint(3, 300, (1,), generator=g))
+        for j in range(group_size):
+            n = int(torch.randint(2, 12, (1,), generator=g))
+            output = torch.randint(3, 300, (n,), generator=g).tolist()
+            prompts.append(prompt)
+            outputs.append([first, *output] if j < 2 else output)
+    order = torch.randperm(len(prompts), generator=g).tolist()
+    prompts, outputs = [prompts[i] for i in order], [outputs[i] for i in order]
+    batch = collate_token_ids(prompts, outputs, 0)
+    batch["engine_log_probs"] = -5 - torch.rand(batch["response_mask"].shape, generator=g)
+    batch["advantages"] = torch.randn(len(prompts), 1, generator=g)
+    return batch, [len(p) + len(o) - 1 for p, o in zip(prompts, outputs, strict=True)], prompts
+
+
+def test_shared_prompt_log_probs_are_the_plain_ones(tiny_model_dir):
+    # 4 responses of 3-13 tokens to one prompt of 9, two of them with the same first token: the
+    # log-probs and entropies of every position a row has tokens at, and the gradients, are the
+    # plain ones; the padding's positions are 0
+    batch, lengths, _ = group_batch([9], 4)
+    ids, labels, mask = batch["input_ids"], batch["labels"], batch["response_mask"]
+    models = [grpo.load_policy(str(tiny_model_dir), "cpu", False, 0)[0] for _ in range(2)]
+    plain = grpo.get_response_log_probs(models[0], ids, labels, True, 0.7)
+    shared = grpo.shared_prompt_log_probs(models[1], batch, True, 0.7)
+    for out in (plain, shared):
+        (out["log_probs"] * mask * batch["advantages"]).sum().backward()
+    has_tokens = torch.arange(ids.shape[1]) < torch.tensor(lengths)[:, None]  # (n, T)
+    assert not has_tokens.all()  # some padding
+    for key in ("log_probs", "token_entropy"):
+        assert shared[key].shape == ids.shape
+        assert torch.allclose(shared[key][has_tokens], plain[key][has_tokens], atol=1e-5), key
+        assert (shared[key][~has_tokens] == 0).all(), key
+    # float rounding: measured <= 1e-6 of each gradient's largest entry, so 1e-5 of its norm
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        assert (b.grad - a.grad).norm() <= 1e-5 * a.grad.norm(), name
+    # rows of two prompts are refused, not mixed
+    two, _, _ = group_batch([9, 9], 2, seed=3)
+    with pytest.raises(ValueError, match="do not share their prompt"):
+        grpo.shared_prompt_log_probs(models[0], two)
+
+
+def test_prompt_microbatches_hold_one_prompt_each():
+    batch, lengths, prompts = group_batch([5, 5, 7], 4)
+    rows = list(range(len(prompts)))
+    seen = []
+    for micro_rows, micro in grpo.prompt_microbatches(batch, rows, lengths, 3, "cpu"):
+        assert len(micro_rows) <= 3
+        assert len({tuple(prompts[i]) for i in micro_rows}) == 1
+        # cut to the microbatch's longest row, as microbatches does
+        assert micro["input_ids"].shape == (len(micro_rows), max(lengths[i] for i in micro_rows))
+        seen += micro_rows
+    assert sorted(seen) == rows
+
+
+def test_the_update_with_share_prompt_is_the_plain_update(tiny_model_dir, monkeypatch):
+    # two prompts' groups of 4, shuffled, in microbatches of 4: the same SGD step and metrics to
+    # float rounding, and every microbatch of the shared path one prompt's responses
+    batch, lengths, prompts = group_batch([9, 6], 4, seed=1)
+    calls = []
+    shared_fn = grpo.shared_prompt_log_probs
+
+    def spy(model, micro, *args):
+        calls.append(micro["input_ids"])
+        return shared_fn(model, micro, *args)
+
+    monkeypatch.setattr(grpo, "shared_prompt_log_probs", spy)
+    moved, metrics = [], []
+    for share_prompt in (False, True):
+        args = Args(
+            rollout_batch_size=8,
+            group_size=4,
+            train_batch_size=8,
+            microbatch_size=4,
+            max_grad_norm=1e9,
+            share_prompt=share_prompt,
+        )
+        policy, autocast = grpo.load_policy(str(tiny_model_dir), "cpu", False, 0)
+        start = {k: v.clone() for k, v in policy.state_dict().items()}
+        optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+        update_metrics, _ = grpo.grpo_update(
+            policy, optimizer, batch, lengths, [1.0], None, args, 0, autocast, 0
+        )
+        moved.append({k: start[k] - v for k, v in policy.state_dict().items()})
+        metrics.append(update_metrics)
+    for name, plain in moved[0].items():
+        # the gradients' rounding (<= 1e-6 of their largest), and start - (start - step)'s
+        tol = 1e-5 * plain.abs().max() + 4 * torch.finfo(torch.float32).eps * start[name].abs()
+        assert ((moved[1][name] - plain).abs() <= tol).all(), name
+    assert any(plain.abs().max() > 0 for plain in moved[0].values())
+    for key in ("train/loss", "train/entropy", "train/grad_norm"):
+        assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-4, abs=1e-7), key
+    # one call a prompt, each with its 4 responses, all beginning with that prompt
+    assert sorted(len(ids) for ids in calls) == [4, 4]
+    for ids in calls:
+        prompt = next(p for p in prompts if torch.equal(ids[0, : len(p)], torch.tensor(p)))
+        assert (ids[:, : len(prompt)] == torch.tensor(prompt)).all()
+
+
 def test_chunked_entropy_and_log_probs_at_temperature_one():
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 7) * 3
