@@ -1175,37 +1175,45 @@ def shared_prompt_log_probs(
     prompt P and responses R_i costs P + sum R_i tokens, not G (P + max R_i)."""
     ids, labels, mask = micro["input_ids"], micro["labels"], micro["response_mask"]
     n, width = ids.shape
+    device = ids.device
     n_prompt = int(mask[0].int().argmax()) + 1
     ends = [int(row.nonzero().max()) + 1 for row in mask]  # each row's tokens: ids[i, :end]
     if not (ids[:, :n_prompt] == ids[:1, :n_prompt]).all():
         raise ValueError("shared_prompt_log_probs: the rows do not share their prompt")
-    # one sequence: the prompt, then each row's own tokens, at the positions they have in the row
-    packed = [ids[0, :n_prompt], *(ids[i, n_prompt:end] for i, end in enumerate(ends))]
-    segment = torch.cat([torch.full((len(p),), s) for s, p in enumerate(packed)])  # (N,)
-    positions = torch.cat([torch.arange(len(p)) + (s > 0) * n_prompt for s, p in enumerate(packed)])
-    order = torch.arange(len(segment))
+    # one sequence: the prompt (segment 0), then each row's own tokens (segment i + 1), at the
+    # positions they have in the row
+    packed = torch.cat([ids[0, :n_prompt], *(ids[i, n_prompt:end] for i, end in enumerate(ends))])
+    sizes = torch.tensor([n_prompt, *(end - n_prompt for end in ends)], device=device)
+    segment = torch.repeat_interleave(torch.arange(n + 1, device=device), sizes)  # (N,)
+    ranges = [(0, n_prompt), *((n_prompt, end) for end in ends)]
+    positions = torch.cat([torch.arange(a, b, device=device) for a, b in ranges])  # (N,)
+    order = torch.arange(len(packed), device=device)
     # a token sees the tokens before it in the prompt or in its own segment
     sees = (segment[None, :] == 0) | (segment[None, :] == segment[:, None])
     sees &= order[None, :] <= order[:, None]  # (N, N)
     if model.config._attn_implementation == "eager":
-        sees = torch.zeros(sees.shape).masked_fill(~sees, torch.finfo(torch.float32).min)
-    device = ids.device
+        # eager attention adds its mask to the scores
+        blocked = torch.finfo(torch.float32).min
+        sees = torch.zeros(sees.shape, device=device).masked_fill(~sees, blocked)
     hidden = model.base_model(
-        torch.cat(packed)[None],
-        attention_mask=sees[None, None].to(device),
-        position_ids=positions[None].to(device),
+        packed[None], attention_mask=sees[None, None], position_ids=positions[None]
     ).last_hidden_state[0]  # (N, H)
     # which (row, position) of the (n, T) layout each hidden state predicts: the prompt's
     # positions once (their labels are the prompt's), its last once per row, then each row's own
     at_row, at_col, take = [], [], []
-    sizes = [len(p) for p in packed]
-    starts = [sum(sizes[:s]) for s in range(len(sizes))]
+    start = n_prompt  # where the row's own tokens begin in the sequence
     for i, end in enumerate(ends):
         at_row += [i] * (end - n_prompt + 1)
         at_col += range(n_prompt - 1, end)
-        take += [n_prompt - 1, *range(starts[i + 1], starts[i + 1] + end - n_prompt)]
+        take += [n_prompt - 1, *range(start, start + end - n_prompt)]
+        start += end - n_prompt
     rows = torch.cat([hidden[: n_prompt - 1], hidden[take]])
     targets = torch.cat([labels[0, : n_prompt - 1], labels[at_row, at_col]])
+    # the (row, column) of each per-row value in the (n, T - n_prompt + 1) part after the prompt
+    index = (
+        torch.tensor(at_row, device=device),
+        torch.tensor(at_col, device=device) - n_prompt + 1,
+    )
     head = model.get_output_embeddings()
     log_probs, entropies = [], []
     for h, y in zip(rows.split(chunk_size), targets.split(chunk_size), strict=True):
@@ -1219,8 +1227,7 @@ def shared_prompt_log_probs(
         flat = torch.cat(values)
         shared = flat[: n_prompt - 1].expand(n, n_prompt - 1)  # the prompt's, in every row
         rest = torch.zeros(n, width - n_prompt + 1, dtype=flat.dtype, device=device)
-        index = (torch.tensor(at_row), torch.tensor(at_col) - (n_prompt - 1))
-        rest = rest.index_put(tuple(t.to(device) for t in index), flat[n_prompt - 1 :])
+        rest = rest.index_put(index, flat[n_prompt - 1 :])
         return torch.cat([shared, rest], dim=1)  # (n, T), 0 in the padding
 
     result = {"log_probs": laid_out(log_probs)}

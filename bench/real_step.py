@@ -32,8 +32,9 @@ from bench.grpo_step import ENGINE_ENV, median_after_warmup, run
 
 # the step's grpo.py flags beside ladder_real.py's RECIPE: no evaluation or checkpoint but the
 # last step's (kept small), no log of generations
-BENCH_FLAGS = ["--n-eval", "8", "--eval-max-tokens", "16", "--eval-every", "100000"]
-BENCH_FLAGS += ["--save-every", "100000", "--n-log-generations", "0"]
+BENCH_FLAGS = (
+    "--n-eval 8 --eval-max-tokens 16 --eval-every 100000 --save-every 100000 --n-log-generations 0"
+)
 
 
 @dataclass
@@ -61,10 +62,12 @@ def main(args: Args) -> dict:
     if not (model / "config.json").exists():
         ladder_real.convert_gguf(model)
     out = Path(args.work_dir or tempfile.mkdtemp(prefix="real_step_")) / f"run-{time.time_ns()}"
-    data_dir = ["--data-dir", args.data_dir] if args.data_dir else []
-    cmd = [sys.executable, "grpo.py", "--model", str(model), "--seed", str(args.seed)]
-    cmd += ["--output-dir", str(out), "--n-grpo-steps", str(args.steps), *data_dir]
-    cmd += [*ladder_real.RECIPE.split(), *BENCH_FLAGS, *args.grpo_flags.split()]
+    # ladder_real.py's own command line: RECIPE, then this bench's flags, then --grpo-flags
+    flags = f"{BENCH_FLAGS} {args.grpo_flags}"
+    real = ladder_real.Args(
+        seed=args.seed, data_dir=args.data_dir, grpo_steps=args.steps, grpo_flags=flags
+    )
+    cmd = [sys.executable, *ladder_real.grpo_command(real, model, out)]
     print(f"$ {' '.join(cmd[1:])}", flush=True)
     # the engine in-process, with ladder_real.py's KV cache
     run(cmd, {**ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": "4"})

@@ -556,6 +556,21 @@ def test_shared_prompt_log_probs_are_the_plain_ones(tiny_model_dir):
         grpo.shared_prompt_log_probs(models[0], two)
 
 
+def test_shared_prompt_log_probs_with_eager_attention(tiny_model_dir):
+    # eager attention adds its mask to the scores (sdpa takes it as booleans): the same numbers
+    batch, lengths, _ = group_batch([9], 4)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, attn_implementation="eager"
+    )
+    with torch.no_grad():
+        plain = grpo.get_response_log_probs(model, batch["input_ids"], batch["labels"])
+        shared = grpo.shared_prompt_log_probs(model, batch)
+    has_tokens = torch.arange(batch["input_ids"].shape[1]) < torch.tensor(lengths)[:, None]
+    assert torch.allclose(
+        shared["log_probs"][has_tokens], plain["log_probs"][has_tokens], atol=1e-5
+    )
+
+
 def test_prompt_microbatches_hold_one_prompt_each():
     batch, lengths, prompts = group_batch([5, 5, 7], 4)
     rows = list(range(len(prompts)))
@@ -567,6 +582,16 @@ def test_prompt_microbatches_hold_one_prompt_each():
         assert micro["input_ids"].shape == (len(micro_rows), max(lengths[i] for i in micro_rows))
         seen += micro_rows
     assert sorted(seen) == rows
+
+
+def assert_same_step(moved: list[dict], start: dict) -> None:
+    """Two updates from the same weights `start` moved every weight alike (moved: each update's
+    start - end per weight), and moved something."""
+    for name, plain in moved[0].items():
+        # the gradients' rounding (<= 1e-6 of their largest), and start - (start - step)'s
+        tol = 1e-5 * plain.abs().max() + 4 * torch.finfo(torch.float32).eps * start[name].abs()
+        assert ((moved[1][name] - plain).abs() <= tol).all(), name
+    assert any(plain.abs().max() > 0 for plain in moved[0].values())
 
 
 def test_the_update_with_share_prompt_is_the_plain_update(tiny_model_dir, monkeypatch):
@@ -599,11 +624,7 @@ def test_the_update_with_share_prompt_is_the_plain_update(tiny_model_dir, monkey
         )
         moved.append({k: start[k] - v for k, v in policy.state_dict().items()})
         metrics.append(update_metrics)
-    for name, plain in moved[0].items():
-        # the gradients' rounding (<= 1e-6 of their largest), and start - (start - step)'s
-        tol = 1e-5 * plain.abs().max() + 4 * torch.finfo(torch.float32).eps * start[name].abs()
-        assert ((moved[1][name] - plain).abs() <= tol).all(), name
-    assert any(plain.abs().max() > 0 for plain in moved[0].values())
+    assert_same_step(moved, start)
     for key in ("train/loss", "train/entropy", "train/grad_norm"):
         assert metrics[1][key] == pytest.approx(metrics[0][key], rel=1e-4, abs=1e-7), key
     # one call a prompt, each with its 4 responses, all beginning with that prompt
