@@ -87,6 +87,9 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass: less memory, more time (on an H200 at
     Qwen3-1.7B's shape, 2.1x at microbatch 2, 1.2x at 8: docs/gpu.md)"""
+    cpu_bf16: bool = False
+    """on a CPU with AVX-512 BF16 or AMX: the trainer under bf16 autocast, the engine in bf16
+    (a Xeon's 2 cores train 1.6x faster: docs/performance.md); elsewhere float32, warned"""
     lora_rank: int = 0
     """rank r of LoRA adapters on a frozen base (bf16 on a GPU); 0: full fine-tuning"""
     lora_alpha: float = 32.0
@@ -395,7 +398,7 @@ def main(args: Args) -> Path:
     # --- PLUMBING: ranks, run folder, devices, engine, policy ---
     init_distributed(args.rank_timeout_s)
     run_dir = make_run_dir(args)
-    policy_device, vllm_device, memory_fraction, reload_tol = resolve_devices(args)
+    policy_device, vllm_device, memory_fraction, reload_tol, cpu_bf16 = resolve_devices(args)
     model_path = str(checkpoints(run_dir)[-1]) if checkpoints(run_dir) else args.model
     print(f"run folder {run_dir}; trainer on {policy_device}, vLLM on {vllm_device}")
     print(f"starting from {model_path}")
@@ -404,7 +407,7 @@ def main(args: Args) -> Path:
     # a prompt and its sampled or eval response; the reload check's 400-token probes
     max_model_len = max(args.max_seq_len, 512) + max(args.max_tokens, args.eval_max_tokens)
     # the engine first: it starts only if its share of the GPU is free; the trainer gets the rest
-    llm = init_vllm(model_path, vllm_device, args.seed, memory_fraction, max_model_len)
+    llm = init_vllm(model_path, vllm_device, args.seed, memory_fraction, max_model_len, cpu_bf16)
     # LoRA: adapters on the starting model, also after --resume (resume_from restores them)
     policy_path = args.model if args.lora_rank else model_path
     policy, autocast = load_policy(
@@ -415,6 +418,7 @@ def main(args: Args) -> Path:
         args.lora_rank,
         args.lora_alpha,
         args.lora_layers,
+        cpu_bf16,
     )
     # each question adds its stop strings and its seed
     sampling = dict(
@@ -727,10 +731,16 @@ def engine_device(device: str):
 
 
 def init_vllm(
-    model: str, device: str, seed: int, gpu_memory_utilization: float, max_model_len: int
+    model: str,
+    device: str,
+    seed: int,
+    gpu_memory_utilization: float,
+    max_model_len: int,
+    cpu_bf16: bool = False,
 ) -> LLM:
     """A vLLM engine in this process, on "cpu" or "cuda:N": in the same process,
-    reload_weights can take the trainer's tensors directly."""
+    reload_weights can take the trainer's tensors directly. bf16 on a GPU; on a CPU float32,
+    or bf16 with cpu_bf16 (resolve_devices)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     common = dict(
         model=model,
@@ -746,7 +756,7 @@ def init_vllm(
         return LLM(
             **common,
             # float32: the engine's log-probs match the trainer's
-            dtype="float32",
+            dtype="bfloat16" if cpu_bf16 else "float32",
             # no compile: it would take ~40 s at every start
             enforce_eager=True,
             # chunked prefill rewinds seeded generators, which fails on CPU
@@ -1023,11 +1033,12 @@ def system_info() -> dict:
     }
 
 
-def resolve_devices(args) -> tuple[str, str, float, float]:
+def resolve_devices(args) -> tuple[str, str, float, float, bool]:
     """(the trainer's device, the engine's, the engine's share of its GPU, the reload
-    tolerance). A node's GPUs are dealt out to its ranks (one process: one rank), k each.
-    With k >= 2 a rank's trainer takes its first GPU and its engine the second; with k = 1
-    they share it; with no GPU both run on the CPU, in float32."""
+    tolerance, bf16 on the CPU). A node's GPUs are dealt out to its ranks (one process: one
+    rank), k each. With k >= 2 a rank's trainer takes its first GPU and its engine the second;
+    with k = 1 they share it; with no GPU both run on the CPU, in float32, or with --cpu-bf16
+    in bf16 where the CPU has it."""
     n_gpus = torch.cuda.device_count()
     n_local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if 0 < n_gpus < n_local_ranks:
@@ -1045,10 +1056,24 @@ def resolve_devices(args) -> tuple[str, str, float, float]:
     memory = args.vllm_gpu_memory_utilization
     if memory is None:
         memory = 0.3 if vllm_device == policy_device else 0.85
+    cpu_bf16 = args.cpu_bf16 and cpu_has_bf16()
+    if args.cpu_bf16 and not cpu_bf16:
+        warnings.warn(
+            "--cpu-bf16: this CPU has neither AVX-512 BF16 nor AMX: float32", stacklevel=2
+        )
     tol = args.reload_tol
     if tol is None:
-        tol = 1e-3 if vllm_device == "cpu" else 0.5
-    return policy_device, vllm_device, memory, tol
+        tol = 1e-3 if vllm_device == "cpu" and not cpu_bf16 else 0.5
+    return policy_device, vllm_device, memory, tol, cpu_bf16
+
+
+def cpu_has_bf16(flags: list[str] | None = None) -> bool:
+    """Whether the CPU multiplies in bf16 (AVX-512 BF16 or AMX; default: /proc/cpuinfo's
+    flags). Elsewhere torch emulates it: a bf16 matmul ~300x slower than float32 on AVX2."""
+    if flags is None:
+        info = Path("/proc/cpuinfo")
+        flags = info.read_text().split() if info.exists() else []
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def canonical_device(device: str) -> str:
@@ -1067,9 +1092,11 @@ def load_policy(
     lora_rank: int = 0,
     lora_alpha: float = 32.0,
     lora_layers: list[str] | None = None,
+    cpu_bf16: bool = False,
 ):
     """Seed, make the trainer's GPU current (the engine set its own), load the model in
-    float32 in train mode: returns (model, autocast), bf16 autocast on a GPU. With lora_rank
+    float32 in train mode: returns (model, autocast), bf16 autocast on a GPU (on a CPU with
+    cpu_bf16). With lora_rank
     r > 0: the model frozen, bf16 on a GPU (no float32 copy, no gradient, no AdamW state),
     with rank-r adapters on lora_layers."""
     torch.manual_seed(seed)
@@ -1089,6 +1116,8 @@ def load_policy(
     print(f"trained parameters: {n_trained:,}")
     if device.startswith("cuda"):
         return policy, torch.autocast("cuda", torch.bfloat16)
+    if cpu_bf16:
+        return policy, torch.autocast("cpu", torch.bfloat16)
     return policy, contextlib.nullcontext()
 
 

@@ -18,6 +18,7 @@ backward; gradient clipping and one AdamW step per batch. For each microbatch si
     python -m bench.train_step --lora-rank 32                   # grpo.py's LoRA: a frozen bf16 base on a GPU
     python -m bench.train_step --shape tiny --seq-len 128       # no GPU: a small shape on the CPU
     python -m bench.train_step --shape 25m --seq-len 160 --microbatch-sizes 32   # the issue's 25M row's microbatch
+    python -m bench.train_step --shape smollm2 --seq-len 256 --microbatch-sizes 8 --cpu-bf16   # ladder_real's model
     python -m bench.train_step --shape tiny --microbatch-sizes 1 --accumulation 1 --steps 1 --log-probs full
 
 It needs torch and transformers only, so it runs on a GPU machine where vLLM is not installed: with --lora-rank it
@@ -68,6 +69,17 @@ SHAPES = {  # Qwen3-1.7B-Base's config.json (1.72e9 parameters, tied embeddings)
         vocab_size=477,
         tie_word_embeddings=True,
     ),
+    # SmolLM2-135M-Instruct's (ladder_real.py's model, a Llama: no q/k norm, which adds ~nothing)
+    "smollm2": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
     "25m": dict(
         hidden_size=512,
         num_hidden_layers=8,
@@ -103,6 +115,8 @@ class Args:
     lora_rank: int = 0
     """rank of grpo.py's LoRA adapters on all seven linear layers, the base frozen (bf16 on a GPU,
     as grpo.py's load_policy); 0: full fine-tuning"""
+    cpu_bf16: bool = False
+    """on a CPU, bf16 autocast (grpo.py's --cpu-bf16) and MFU over the measured bf16 matmul peak"""
 
 
 LORA_LAYERS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -119,11 +133,11 @@ def grpo_lora() -> dict:
     return namespace
 
 
-def cpu_matmul_tflops(n: int = 2048, repeats: int = 5) -> float:
-    """The CPU's float32 peak as torch reaches it: 2 n^3 FLOPs per n x n matmul, the fastest of
-    `repeats`. A measured limit, not the datasheet's (2 cores of AVX2 FMA at ~2.7 GHz: ~0.17
-    TFLOP/s)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def cpu_matmul_tflops(n: int = 2048, repeats: int = 5, dtype=torch.float32) -> float:
+    """The CPU's float32 (or bf16) peak as torch reaches it: 2 n^3 FLOPs per n x n matmul, the
+    fastest of `repeats`. A measured limit, not the datasheet's (2 cores of AVX2 FMA at ~2.7 GHz:
+    ~0.17 TFLOP/s)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b  # warm-up
     best = math.inf
     for _ in range(repeats):
@@ -173,6 +187,7 @@ def microbatch_backward(
     n_batch_tokens: int,
     log_probs_mode: str = "chunked",
     chunk_size: int = 256,
+    cpu_bf16: bool = False,
 ) -> torch.Tensor:
     """One microbatch of grpo.py's update, this file's copy: ids (B, T + 1), response_mask (B, T)
     over the labels ids[:, 1:], advantages (B,). Log-probs, the clipped surrogate at ratio 1 (one
@@ -184,7 +199,8 @@ def microbatch_backward(
     is the plain computation it replaces: the (B, T, V) float32 log_softmax kept for the backward."""
     device_type = ids.device.type
     labels = ids[:, 1:]  # (B, T)
-    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
+    bf16 = device_type == "cuda" or cpu_bf16
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
         if log_probs_mode == "full":
             logits = model(ids[:, :-1]).logits.float()  # (B, T, V); float32 under autocast too
             log_probs = torch.log_softmax(logits, dim=-1).gather(-1, labels[..., None]).squeeze(-1)
@@ -248,6 +264,7 @@ def train_steps(
                 n_batch_tokens,
                 args.log_probs,
                 args.chunk_size,
+                args.cpu_bf16,
             )
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -260,8 +277,9 @@ def main(args: Args) -> list[dict]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     peak = args.peak_tflops or (989.0 if any(g in name for g in ("H100", "H200")) else None)
     if peak is None and device.type == "cpu":
-        peak = cpu_matmul_tflops()
-        name = f"CPU ({torch.get_num_threads()} threads; measured float32 matmul peak {peak:.3f} TFLOP/s)"
+        dtype = torch.bfloat16 if args.cpu_bf16 else torch.float32
+        peak = cpu_matmul_tflops(dtype=dtype)
+        name = f"CPU ({torch.get_num_threads()} threads; measured {dtype} matmul peak {peak:.3f} TFLOP/s)"
     torch.manual_seed(0)
     config = Qwen3Config(**SHAPES[args.shape], max_position_embeddings=max(4096, args.seq_len))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -285,7 +303,8 @@ def main(args: Args) -> list[dict]:
         f"{name}, torch {torch.__version__}: {args.shape} ({n_params / 1e9:.3f}e9 parameters, "
         f"{n_trained / 1e6:.1f}e6 trained), sequences of {args.seq_len} tokens, {args.accumulation} "
         f"microbatches a step, gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}, "
-        f"log-probs {args.log_probs}, LoRA rank {args.lora_rank or 'none'}"
+        f"log-probs {args.log_probs}, LoRA rank {args.lora_rank or 'none'}, "
+        f"autocast {'bf16' if device.type == 'cuda' or args.cpu_bf16 else 'off'}"
     )
     print(
         f"{'microbatch':>10} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9} {'resident':>9} {'added GiB':>9}"

@@ -14,6 +14,7 @@ random text scores unevenly. That tests the loop's mechanics, not the verifier
 (tests/test_verifiers.py does that) nor learning (tests/test_grpo_learns.py does that).
 """
 
+import contextlib
 import json
 import math
 import os
@@ -919,6 +920,21 @@ def test_a_stale_linear_weight_is_caught_by_the_probe(stale, llm, tiny_model_dir
 
 
 @pytest.mark.usefixtures("small_train_split")
+def test_cpu_bf16_trains_with_a_bf16_engine_that_follows(tiny_model_dir, tmp_path, monkeypatch):
+    # the flags taken as given, so that the path runs on any CPU (emulated here: slowly)
+    monkeypatch.setattr(grpo, "cpu_has_bf16", lambda flags=None: True)
+    monkeypatch.setattr(grpo.verifiers, "score", letter_reward)
+    args = tiny_args(tiny_model_dir, tmp_path, n_grpo_steps=1, cpu_bf16=True, train_batch_size=8)
+    rows = read_jsonl(grpo.main(args) / "metrics.jsonl")
+    # the engine in bf16: its log-probs off the trainer's by bf16's rounding (float32's: ~1e-6),
+    # and the reload check's bound 0.5, not 1e-3, lets it on
+    assert all(1e-4 < row["reload/logprob_gap"] < 0.05 for row in rows)
+    # two minibatches: p_old from frozen_log_probs, under the trainer's bf16 autocast
+    assert math.isfinite(rows[-1]["train/loss"])
+    assert 1e-4 < rows[-1]["train/engine_logprob_gap"] < 0.05
+
+
+@pytest.mark.usefixtures("small_train_split")
 def test_engine_weights_change_and_follow_the_policy_every_step(
     tiny_model_dir, tmp_path, monkeypatch
 ):
@@ -1093,13 +1109,35 @@ def test_devices_compare_as_devices_not_strings():
             reload_tol=tol,
         )
     )
-    assert devices("cuda", "cuda:0") == ("cuda:0", "cuda:0", 0.3, 0.5)
+    assert devices("cuda", "cuda:0") == ("cuda:0", "cuda:0", 0.3, 0.5, False)
     assert devices("cuda:0", "cuda")[2] == 0.3
     assert devices("cuda:0", "cuda:1")[2] == 0.85
     # bf16 on a GPU stops at a median gap of 0.5, far beyond its noise; float32 on CPU at 1e-3; an
     # explicit one stays.
-    assert devices("cpu", "cpu") == ("cpu", "cpu", 0.3, 1e-3)
-    assert devices("cuda:0", "cuda:1", 0.5, 0.2)[2:] == (0.5, 0.2)
+    assert devices("cpu", "cpu") == ("cpu", "cpu", 0.3, 1e-3, False)
+    assert devices("cuda:0", "cuda:1", 0.5, 0.2)[2:] == (0.5, 0.2, False)
+
+
+def test_cpu_bf16_only_where_the_cpus_flags_say_it_multiplies_in_bf16(monkeypatch, tiny_model_dir):
+    # /proc/cpuinfo's flags of an AVX2 EPYC, an AVX-512 one without BF16, Zen 4, Sapphire Rapids
+    assert not grpo.cpu_has_bf16("fpu sse4_2 avx2 fma".split())
+    assert not grpo.cpu_has_bf16("avx2 avx512f avx512bw avx512_vnni".split())
+    assert grpo.cpu_has_bf16("avx2 avx512f avx512_bf16".split())
+    assert grpo.cpu_has_bf16("avx512f avx512_bf16 amx_bf16 amx_tile".split())
+    # --cpu-bf16 turns it on where the CPU has it, and the reload check then stops at bf16's 0.5;
+    # where it has not, float32 with a warning (emulated bf16: a matmul ~300x slower on AVX2)
+    args = Args(policy_device="cpu", vllm_device="cpu", cpu_bf16=True)
+    monkeypatch.setattr(grpo, "cpu_has_bf16", lambda flags=None: True)
+    assert grpo.resolve_devices(args)[3:] == (0.5, True)
+    assert grpo.resolve_devices(Args(policy_device="cpu", vllm_device="cpu"))[3:] == (1e-3, False)
+    monkeypatch.setattr(grpo, "cpu_has_bf16", lambda flags=None: False)
+    with pytest.warns(UserWarning, match="neither AVX-512 BF16 nor AMX: float32"):
+        assert grpo.resolve_devices(args)[3:] == (1e-3, False)
+    # the trainer's autocast follows the choice
+    _, autocast = grpo.load_policy(str(tiny_model_dir), "cpu", False, 0, cpu_bf16=True)
+    assert (autocast.device, autocast.fast_dtype) == ("cpu", torch.bfloat16)
+    _, autocast = grpo.load_policy(str(tiny_model_dir), "cpu", False, 0)
+    assert isinstance(autocast, contextlib.nullcontext)
 
 
 def test_resume_from_a_checkpoint_of_an_older_version_names_it(tmp_path):
