@@ -207,9 +207,13 @@ def run_grpo(
     return times
 
 
-def run_trl(model: str, batch: tuple, steps: int) -> dict[str, list[float]]:
-    """TRL GRPOTrainer at these settings and this batch; per-step seconds: step, generate (+ score),
-    train."""
+# the synthetic task's settings (above); bench/real_step.py passes ladder_real.py's
+SYNTHETIC = dict(dataset="synthetic", template="question", temperature=1.0, lr=1e-5, data_dir=None)
+
+
+def run_trl(model: str, batch: tuple, steps: int, task: dict = SYNTHETIC) -> dict[str, list[float]]:
+    """TRL GRPOTrainer at these settings, this batch and task (SYNTHETIC's keys); per-step seconds:
+    step, generate (+ score), train."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -221,10 +225,10 @@ def run_trl(model: str, batch: tuple, steps: int) -> dict[str, list[float]]:
 
     n_prompts, group, max_tokens, micro = batch
     tokenizer = AutoTokenizer.from_pretrained(model)
-    examples = data.load("synthetic", "train")
+    examples = data.load(task["dataset"], "train", task["data_dir"])
     dataset = Dataset.from_list(
         [
-            {"prompt": data.render_prompt(ex, "question", tokenizer), "idx": i}
+            {"prompt": data.render_prompt(ex, task["template"], tokenizer), "idx": i}
             for i, ex in enumerate(examples)
         ]
     )
@@ -245,12 +249,12 @@ def run_trl(model: str, batch: tuple, steps: int) -> dict[str, list[float]]:
         gradient_accumulation_steps=n_prompts * group // micro,
         num_generations=group,
         max_completion_length=max_tokens,
-        temperature=1.0,
+        temperature=task["temperature"],
         top_p=1.0,
         beta=0.0,
         loss_type="dapo",
         num_iterations=1,
-        learning_rate=1e-5,
+        learning_rate=task["lr"],
         lr_scheduler_type="constant",
         warmup_steps=0,
         max_grad_norm=1.0,

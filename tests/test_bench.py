@@ -26,6 +26,14 @@ def test_qwen3_1_7b_shape_has_its_parameter_count():
     assert 1.70e9 < n_params < 1.74e9, n_params
 
 
+def test_smollm2_shape_has_the_real_models_parameter_count():
+    # SmolLM2-135M-Instruct: 134,515,008 parameters; the Qwen3 shape adds q/k norms, 2 x 64 a layer
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**train_step.SHAPES["smollm2"]))
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params == 134_515_008 + 30 * 2 * 64, n_params
+
+
 @pytest.mark.parametrize(
     ("size", "shape", "low", "high"),
     [("tiny", "ladder", 0.845e6, 0.855e6), ("25m", "25m", 25.35e6, 25.45e6)],
