@@ -59,8 +59,8 @@ class Args:
     """evaluate on the first n_test IFEval prompts (None: all 541)"""
     eval_max_tokens: int = 1280
     """most tokens of an evaluated response (lm-eval's IFEval setting)"""
-    grpo_steps: int = 12
-    """GRPO steps: 12 fit the hour; docs/ladder.md has 24, 48 and 72 measured"""
+    grpo_steps: int = 24
+    """GRPO steps: 24 took 38 minutes on 2 cores (docs/ladder.md, run 7: +4.2 standard errors)"""
     grpo_flags: str = ""
     """more grpo.py flags, after RECIPE's (a later flag wins), e.g. "--lr 3e-5 --clip-high 0.28" """
     before_from: str | None = None
@@ -77,9 +77,9 @@ RECIPE = (
     "--dataset ifeval --template chat --rollout-batch-size 64 --group-size 8"
     " --train-batch-size 64 --microbatch-size 8 --share-prompt --max-tokens 256 --temperature 0.7"
     " --ifeval-partial-credit 0.5 --overlong-buffer 64 --overlong-penalty 0.25"
-    " --lr 2e-5 --warmup-steps 2 --save-every 6"
+    " --lr 5e-5 --warmup-steps 2 --save-every 6"
     # the script's own evaluation only watches: stages 1 and 3 measure
-    " --eval-every 6 --n-eval 64 --eval-max-tokens 256"
+    " --eval-every 12 --n-eval 64 --eval-max-tokens 256"
 )
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -26,7 +26,7 @@ def test_grpo_command_parses_and_a_later_flag_wins(tmp_path):
     assert parsed.model == str(tmp_path / "model")
     assert parsed.n_grpo_steps == 7
     assert parsed.dataset == "ifeval" and parsed.template == "chat" and parsed.share_prompt
-    # RECIPE says --lr 2e-5; grpo_flags come after it
+    # RECIPE says --lr 5e-5; grpo_flags come after it
     assert parsed.lr == 3e-5
     assert parsed.clip_high == 0.28
 
