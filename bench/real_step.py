@@ -68,7 +68,7 @@ class Args:
 
 # the recipe's batch (prompts, group size, max new tokens, microbatch) and task, for TRL's side
 TRL_BATCH = (8, 8, 256, 8)
-TRL_TASK = dict(dataset="ifeval", template="chat", temperature=0.7, lr=2e-5)
+TRL_TASK = dict(dataset="ifeval", template="chat", temperature=0.7, lr=5e-5)
 
 
 def main(args: Args) -> dict:
