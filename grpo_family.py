@@ -1421,7 +1421,7 @@ def init_vllm(
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         return LLM(
             **common,
-            # float32: the engine's log-probs match the trainer's
+            # float32: the engine's log-probs match the trainer's (bf16 only with --cpu-bf16)
             dtype="bfloat16" if cpu_bf16 else "float32",
             # no compile: it would take ~40 s at every start
             enforce_eager=True,
@@ -1724,8 +1724,9 @@ def resolve_devices(args) -> tuple[str, str, float, float, bool]:
         memory = 0.3 if vllm_device == policy_device else 0.85
     cpu_bf16 = args.cpu_bf16 and cpu_has_bf16()
     if args.cpu_bf16 and not cpu_bf16:
+        # at this line, not the caller's: shown once however often the devices are resolved
         warnings.warn(
-            "--cpu-bf16: this CPU has neither AVX-512 BF16 nor AMX: float32", stacklevel=2
+            "--cpu-bf16: this CPU has neither AVX-512 BF16 nor AMX: float32", stacklevel=1
         )
     tol = args.reload_tol
     if tol is None:

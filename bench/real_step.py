@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.grpo_step import ENGINE_ENV, median_after_warmup, run
+from bench.grpo_step import ENGINE_ENV, median_after_warmup, run, run_trl
 
 # the step's grpo.py flags beside ladder_real.py's RECIPE: no evaluation or checkpoint but the
 # last step's (kept small), no log of generations
@@ -72,8 +72,6 @@ TRL_TASK = dict(dataset="ifeval", template="chat", temperature=0.7, lr=5e-5)
 
 
 def main(args: Args) -> dict:
-    from bench.grpo_step import run_trl
-
     if args.trl_model:
         task = {**TRL_TASK, "data_dir": args.data_dir}
         print(json.dumps(run_trl(args.trl_model, TRL_BATCH, args.steps, task)))
