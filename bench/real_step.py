@@ -13,7 +13,7 @@ responses a step, at most 256 tokens each, the chat template, microbatch 8. This
     python -m bench.real_step                                  # grpo.py, ladder_real.py's RECIPE, 3 steps
     python -m bench.real_step --grpo-flags="--share-prompt"    # a lever: grpo.py flags after the recipe's
     python -m bench.real_step --model runs/my-model            # another model folder
-    python -m bench.real_step --trl-python .venv-trl/bin/python   # TRL's GRPOTrainer beside it (bench/requirements-trl.txt)
+    python -m bench.real_step --trl-python .venv-trl/bin/python --trl-steps 2   # TRL's GRPOTrainer beside it
 
 With --trl-python, TRL's GRPOTrainer runs the same step in its own environment (bench/grpo_step.run_trl): the same
 model, IFEval-style prompts in the chat template, 8 x 8 responses of at most 256 tokens at temperature 0.7,
@@ -61,6 +61,8 @@ class Args:
     seed: int = 1
     trl_python: str | None = None
     """the python of TRL's own environment (e.g. .venv-trl/bin/python): its step beside grpo.py's"""
+    trl_steps: int | None = None
+    """TRL's steps (None: --steps); its step takes 9-14 minutes on 2 cores, so 2 is enough"""
     trl_model: str | None = None
     """run TRL's side on this model folder, in this interpreter, and print one JSON line (what
     --trl-python runs)"""
@@ -106,7 +108,7 @@ def main(args: Args) -> dict:
     if args.trl_python:
         data_dir = ["--data-dir", args.data_dir] if args.data_dir else []
         trl_run = [args.trl_python, "-m", "bench.real_step", "--trl-model", str(model)]
-        trl_run += ["--steps", str(args.steps), *data_dir]
+        trl_run += ["--steps", str(args.trl_steps or args.steps), *data_dir]
         times = json.loads(run(trl_run).strip().splitlines()[-1])
         trl = {key: median_after_warmup(values) for key, values in times.items()}
         result["trl"] = trl
