@@ -68,15 +68,11 @@ class Args:
     --trl-python runs)"""
 
 
-# the recipe's batch (prompts, group size, max new tokens, microbatch) and task, for TRL's side
-TRL_BATCH = (8, 8, 256, 8)
-TRL_TASK = dict(dataset="ifeval", template="chat", temperature=0.7, lr=5e-5)
-
-
 def main(args: Args) -> dict:
     if args.trl_model:
-        task = {**TRL_TASK, "data_dir": args.data_dir}
-        print(json.dumps(run_trl(args.trl_model, TRL_BATCH, args.steps, task)))
+        batch, task = trl_settings()
+        task["data_dir"] = args.data_dir
+        print(json.dumps(run_trl(args.trl_model, batch, args.steps, task)))
         return {}
     import ladder_real
     from bench.train_step import cpu_matmul_tflops
@@ -108,7 +104,8 @@ def main(args: Args) -> dict:
     if args.trl_python:
         data_dir = ["--data-dir", args.data_dir] if args.data_dir else []
         trl_run = [args.trl_python, "-m", "bench.real_step", "--trl-model", str(model)]
-        trl_run += ["--steps", str(args.trl_steps or args.steps), *data_dir]
+        trl_steps = args.steps if args.trl_steps is None else args.trl_steps
+        trl_run += ["--steps", str(trl_steps), *data_dir]
         times = json.loads(run(trl_run).strip().splitlines()[-1])
         trl = {key: median_after_warmup(values) for key, values in times.items()}
         result["trl"] = trl
@@ -118,6 +115,23 @@ def main(args: Args) -> dict:
             flush=True,
         )
     return result
+
+
+def trl_settings() -> tuple[tuple, dict]:
+    """The recipe's batch (prompts, group size, max new tokens, microbatch) and task, read from
+    ladder_real.py's RECIPE for TRL's side: the two sides cannot drift apart."""
+    import ladder_real
+
+    words = ladder_real.RECIPE.split()
+    # "--name value" pairs; a bare switch (--share-prompt) is followed by the next flag
+    pairs = zip(words[:-1], words[1:], strict=True)
+    flag = {w: v for w, v in pairs if w.startswith("--") and not v.startswith("--")}
+    group = int(flag["--group-size"])
+    n_prompts = int(flag["--rollout-batch-size"]) // group
+    batch = (n_prompts, group, int(flag["--max-tokens"]), int(flag["--microbatch-size"]))
+    task = {"dataset": flag["--dataset"], "template": flag["--template"]}
+    task |= {"temperature": float(flag["--temperature"]), "lr": float(flag["--lr"])}
+    return batch, task
 
 
 def step_rows(rows: list[dict]) -> list[dict]:

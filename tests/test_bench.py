@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import tyro
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from bench import generate, grpo_step, overlap, reload, train_step
@@ -220,6 +221,23 @@ def test_mfu_by_hand():
 
     # 100 tokens/s x 6 x 135e6 FLOPs = 81 GFLOP/s of a 0.162 TFLOP/s peak: half
     assert real_step.mfu(100.0, 6 * 135e6, 0.162) == pytest.approx(0.5)
+
+
+def test_trls_side_reads_the_recipe_as_grpo_py_parses_it():
+    import grpo
+    import ladder_real
+    from bench import real_step
+
+    recipe = tyro.cli(grpo.Args, args=["--model", "m", *ladder_real.RECIPE.split()])
+    (n_prompts, group, max_tokens, micro), task = real_step.trl_settings()
+    assert n_prompts * group == recipe.rollout_batch_size and group == recipe.group_size
+    assert (max_tokens, micro) == (recipe.max_tokens, recipe.microbatch_size)
+    assert task == {
+        "dataset": recipe.dataset,
+        "template": recipe.template,
+        "temperature": recipe.temperature,
+        "lr": recipe.lr,
+    }
 
 
 def test_shared_prompt_bench_times_both_sides_and_finds_them_equal():
