@@ -160,7 +160,7 @@ class Args:
     """under torchrun: how long a rank waits for the others before naming them and stopping"""
 
 
-# --- ALGORITHM, CS336 vocabulary: tokens and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- ALGORITHM: CS336 vocabulary: tokens, log-probs, the output layer in chunks (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def collate_token_ids(
@@ -219,7 +219,113 @@ def get_response_log_probs(
     return out
 
 
-# --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+def chunk_log_probs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head,
+    temperature: float,
+    return_token_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
+    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
+    # float32 even under bf16 autocast
+    logits = head(hidden).float() / temperature  # (n, V)
+    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
+    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
+    if not return_token_entropy:
+        return log_probs, None
+    # last: the backward's recomputation stops before it
+    with torch.no_grad():
+        entropy = compute_entropy(logits)
+    return log_probs, entropy
+
+
+def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
+
+    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
+    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
+    chunks = []
+    for z in flat.split(chunk_size):
+        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
+    return torch.cat(chunks).reshape(logits.shape[:-1])
+
+
+# --- ALGORITHM: CS336 vocabulary: a masked sum (the SFT and distillation losses, logged entropies) (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_async.py) ---
+
+
+def masked_normalize(
+    tensor: torch.Tensor,
+    mask: torch.Tensor,
+    normalize_constant: float,
+    dim: int | None = None,
+) -> torch.Tensor:
+    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
+    return (tensor * mask).sum(dim=dim) / normalize_constant
+
+
+# --- ALGORITHM: a draw of questions, generated and scored ---
+
+
+def generate_responses(
+    llm: LLM, task: data.Task, sampling: dict, n_prompts: int, seed: int, step: int, device: str
+) -> tuple[list[dict], list]:
+    """This step's n_prompts questions for `seed` (a resumed run draws the same) and the engine's
+    sampling["n"] responses to each: (the questions, vLLM's outputs, one per question). Each rank
+    generates its share; every rank gets all."""
+    examples, seeds = task.questions(n_prompts, sampling["n"], seed, step)
+    prompts = [task.prompt(ex) for ex in examples]
+    params = []
+    for ex, first_seed in zip(examples, seeds, strict=True):
+        params.append(SamplingParams(**sampling, stop=task.stop(ex), seed=first_seed))
+    with engine_device(device):
+        outputs = llm.generate(my_share(prompts), my_share(params), use_tqdm=False)
+    return examples, gather(outputs)
+
+
+def score_responses(examples: list[dict], outputs: list) -> list[dict]:
+    """verifiers.score of each response (response k to question j at j G + k): each rank scores
+    the share it generated (code runs in a sandbox); every rank gets all."""
+    responses = []
+    questions = []
+    for ex, output in zip(my_share(examples), my_share(outputs), strict=True):
+        for completion in output.outputs:
+            responses.append(completion.text)
+            questions.append(ex)
+    return gather(verifiers.score_batch(responses, questions))
+
+
+# --- ALGORITHM: the expert-iteration filter ---
+
+
+def select_correct(
+    examples: list[dict],
+    prompts: list[str],
+    responses: list[list[str]],
+    rewards: list[list[float]],
+    n_tokens: list[list[int]] | None = None,
+) -> list[dict]:
+    """The SFT data of one EI step: the responses the verifier accepted (reward == 1), each
+    distinct text once per question, as sft.py's {"prompt", "response", "example"} pairs, in
+    question order, then sample order. examples, prompts: Q questions; responses, rewards and
+    n_tokens (each response's length, kept in its pair): Q lists of G."""
+    kept = []
+    for q, example in enumerate(examples):
+        # Without it, a question the policy always answers the same way would weigh G times as
+        # much as a hard one solved once, pushing the policy toward what it already does.
+        seen = set()
+        for j, response in enumerate(responses[q]):
+            if rewards[q][j] == 1.0 and response not in seen:
+                seen.add(response)
+                pair = {"prompt": prompts[q], "response": response, "example": example}
+                if n_tokens is not None:
+                    pair["n_tokens"] = n_tokens[q][j]
+                kept.append(pair)
+    return kept
+
+
+# --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def get_lr(update: int, lr: float, warmup: int, n_updates: int, schedule: str) -> float:
@@ -257,7 +363,7 @@ def optimizer_step(
     return grad_norm, n_bad_in_a_row
 
 
-# --- ALGORITHM: the SFT loss (same in sft.py and expert_iter.py) ---
+# --- ALGORITHM: the SFT loss (same in sft.py, expert_iter.py) ---
 
 
 def sft_microbatch_train_step(
@@ -355,33 +461,19 @@ def sft_batch_train_step(
     }
 
 
-# --- ALGORITHM: the expert-iteration filter ---
+# --- ALGORITHM: the reload: the trainer's weights into the engine (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
-def select_correct(
-    examples: list[dict],
-    prompts: list[str],
-    responses: list[list[str]],
-    rewards: list[list[float]],
-    n_tokens: list[list[int]] | None = None,
-) -> list[dict]:
-    """The SFT data of one EI step: the responses the verifier accepted (reward == 1), each
-    distinct text once per question, as sft.py's {"prompt", "response", "example"} pairs, in
-    question order, then sample order. examples, prompts: Q questions; responses, rewards and
-    n_tokens (each response's length, kept in its pair): Q lists of G."""
-    kept = []
-    for q, example in enumerate(examples):
-        # Without it, a question the policy always answers the same way would weigh G times as
-        # much as a hard one solved once, pushing the policy toward what it already does.
-        seen = set()
-        for j, response in enumerate(responses[q]):
-            if rewards[q][j] == 1.0 and response not in seen:
-                seen.add(response)
-                pair = {"prompt": prompts[q], "response": response, "example": example}
-                if n_tokens is not None:
-                    pair["n_tokens"] = n_tokens[q][j]
-                kept.append(pair)
-    return kept
+def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
+    """Copy the trainer's weights into the running engine, and drop its prefix cache: the
+    cached keys and values were computed with the old weights."""
+    dtype = llm.llm_engine.model_config.dtype
+    # a state dict, not named_parameters(): that one leaves out a tied lm_head.weight
+    weights = [(name, t.detach().to(dtype)) for name, t in merged_state_dict(policy).items()]
+    with engine_device(device):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
 
 
 def main(args: Args) -> Path:
@@ -563,102 +655,7 @@ def main(args: Args) -> Path:
     return run_dir
 
 
-# --- PLUMBING: a draw of questions, generated and scored (same in expert_iter.py, grpo.py, distill.py) ---
-
-
-def generate_responses(
-    llm: LLM, task: data.Task, sampling: dict, n_prompts: int, seed: int, step: int, device: str
-) -> tuple[list[dict], list]:
-    """This step's n_prompts questions for `seed` (a resumed run draws the same) and the engine's
-    sampling["n"] responses to each: (the questions, vLLM's outputs, one per question). Each rank
-    generates its share; every rank gets all."""
-    examples, seeds = task.questions(n_prompts, sampling["n"], seed, step)
-    prompts = [task.prompt(ex) for ex in examples]
-    params = []
-    for ex, first_seed in zip(examples, seeds, strict=True):
-        params.append(SamplingParams(**sampling, stop=task.stop(ex), seed=first_seed))
-    with engine_device(device):
-        outputs = llm.generate(my_share(prompts), my_share(params), use_tqdm=False)
-    return examples, gather(outputs)
-
-
-def score_responses(examples: list[dict], outputs: list) -> list[dict]:
-    """verifiers.score of each response (response k to question j at j G + k): each rank scores
-    the share it generated (code runs in a sandbox); every rank gets all."""
-    responses = []
-    questions = []
-    for ex, output in zip(my_share(examples), my_share(outputs), strict=True):
-        for completion in output.outputs:
-            responses.append(completion.text)
-            questions.append(ex)
-    return gather(verifiers.score_batch(responses, questions))
-
-
-# --- PLUMBING: the rest of CS336's vocabulary, the output layer in chunks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-
-def tokenize_prompt_and_output(
-    prompt_strs: list[str], output_strs: list[str], tokenizer
-) -> dict[str, torch.Tensor]:
-    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
-    response_mask, each (B, T)."""
-    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
-    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = tokenizer.eos_token_id or 0
-    return collate_token_ids(prompt_ids, output_ids, pad_id)
-
-
-def masked_normalize(
-    tensor: torch.Tensor,
-    mask: torch.Tensor,
-    normalize_constant: float,
-    dim: int | None = None,
-) -> torch.Tensor:
-    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
-    return (tensor * mask).sum(dim=dim) / normalize_constant
-
-
-def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
-    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
-
-
-def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
-
-    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
-    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
-    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
-    chunks = []
-    for z in flat.split(chunk_size):
-        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
-    return torch.cat(chunks).reshape(logits.shape[:-1])
-
-
-def chunk_log_probs(
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    head,
-    temperature: float,
-    return_token_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
-    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
-    # float32 even under bf16 autocast
-    logits = head(hidden).float() / temperature  # (n, V)
-    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
-    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
-    if not return_token_entropy:
-        return log_probs, None
-    # last: the backward's recomputation stops before it
-    with torch.no_grad():
-        entropy = compute_entropy(logits)
-    return log_probs, entropy
-
-
-# --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 class LoRALinear(torch.nn.Module):
@@ -720,7 +717,7 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     return state
 
 
-# --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: the engine's start, and the check that it follows the trainer (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def engine_device(device: str):
@@ -776,18 +773,6 @@ def init_vllm(
         device_ids=[gpu],
         gpu_memory_utilization=gpu_memory_utilization,
     )
-
-
-def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
-    """Copy the trainer's weights into the running engine, and drop its prefix cache: the
-    cached keys and values were computed with the old weights."""
-    dtype = llm.llm_engine.model_config.dtype
-    # a state dict, not named_parameters(): that one leaves out a tied lm_head.weight
-    weights = [(name, t.detach().to(dtype)) for name, t in merged_state_dict(policy).items()]
-    with engine_device(device):
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if not llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
 
 
 def make_probe_prompts(tokenizer, texts: list[str], n_tokens: int = 400) -> list[list[int]]:
@@ -869,6 +854,9 @@ def reload_and_check(
     return gap
 
 
+# --- PLUMBING: evaluation through the engine (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_async.py) ---
+
+
 def evaluate(
     llm: LLM,
     policy,
@@ -926,6 +914,19 @@ def evaluate(
     return {**metrics, "time/eval": time.time() - t0}
 
 
+def tokenize_prompt_and_output(
+    prompt_strs: list[str], output_strs: list[str], tokenizer
+) -> dict[str, torch.Tensor]:
+    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
+    response_mask, each (B, T)."""
+    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
+    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id or 0
+    return collate_token_ids(prompt_ids, output_ids, pad_id)
+
+
 def log_generations(policy, tokenizer, records: list[dict]) -> list[dict]:
     """The records, each with the trainer's mean token entropy over its response."""
     out = []
@@ -942,7 +943,8 @@ def log_generations(policy, tokenizer, records: list[dict]) -> list[dict]:
     return out
 
 
-# --- PLUMBING: run folder, devices, checkpoints, logs, ranks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: run folder, devices, checkpoints, logs (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
 
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {
@@ -1226,12 +1228,19 @@ def timed(metrics: dict, phase: str):
     metrics[key] = metrics.get(key, 0.0) + time.time() - t0
 
 
+# --- PLUMBING: torchrun's ranks: each takes a share, the gradients are summed (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
 # Data parallel under torchrun (docs/distributed.md): every rank holds a whole model and an
 # engine, generates a share of each step's questions and trains a share of each batch's rows.
 # The gradients are summed over the ranks, so the update is the one a single process makes.
 # Alone: rank 0 of 1.
 RANK = int(os.environ.get("RANK", 0))
+
+
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))
+
+
 # under torchrun: a gloo group, and how long a rank waits in it for the others
 RANK_GROUP = {}
 

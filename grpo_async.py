@@ -48,7 +48,6 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -190,7 +189,7 @@ class Args:
     """under torchrun: how long a rank waits for the others before naming them and stopping"""
 
 
-# --- ALGORITHM, CS336 vocabulary: tokens and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- ALGORITHM: CS336 vocabulary: tokens, log-probs, the output layer in chunks (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def collate_token_ids(
@@ -249,45 +248,84 @@ def get_response_log_probs(
     return out
 
 
-# --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+def chunk_log_probs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head,
+    temperature: float,
+    return_token_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
+    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
+    # float32 even under bf16 autocast
+    logits = head(hidden).float() / temperature  # (n, V)
+    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
+    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
+    if not return_token_entropy:
+        return log_probs, None
+    # last: the backward's recomputation stops before it
+    with torch.no_grad():
+        entropy = compute_entropy(logits)
+    return log_probs, entropy
 
 
-def get_lr(update: int, lr: float, warmup: int, n_updates: int, schedule: str) -> float:
-    """The learning rate of optimizer step `update` (counted from 0) of `n_updates`: linear
-    warmup from 0 over `warmup` steps, then constant, or cosine down to 0 at n_updates."""
-    if update < warmup:
-        return lr * (update / max(1, warmup))
-    if schedule == "constant":
-        return lr
-    progress = (update - warmup) / max(1, n_updates - warmup)
-    return lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
+
+    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
+    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
+    chunks = []
+    for z in flat.split(chunk_size):
+        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
+    return torch.cat(chunks).reshape(logits.shape[:-1])
 
 
-def optimizer_step(
-    policy, optimizer, lr: float, max_grad_norm: float, n_bad_in_a_row: int = 0
-) -> tuple[float, int]:
-    """Clip the gradient's global L2 norm, step AdamW at `lr` and zero the gradient. Returns
-    the norm before clipping and the count of non-finite updates in a row: a non-finite
-    norm (an inf or NaN in the loss) skips the step, so that one bad batch cannot write NaN
-    into every weight, and three in a row stop the run."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
-    if math.isfinite(grad_norm):
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-        n_bad_in_a_row = 0
-    else:
-        n_bad_in_a_row += 1
-        if n_bad_in_a_row >= 3:
-            raise RuntimeError(
-                f"{n_bad_in_a_row} non-finite updates in a row: check the rewards and the lr"
-            )
-        warnings.warn(f"gradient norm {grad_norm} is not finite: update skipped", stacklevel=2)
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, n_bad_in_a_row
+# --- ALGORITHM: CS336 vocabulary: a masked sum (the SFT and distillation losses, logged entropies) (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_async.py) ---
 
 
-# --- ALGORITHM: group-normalised advantages (same in grpo.py and distill.py) ---
+def masked_normalize(
+    tensor: torch.Tensor,
+    mask: torch.Tensor,
+    normalize_constant: float,
+    dim: int | None = None,
+) -> torch.Tensor:
+    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
+    return (tensor * mask).sum(dim=dim) / normalize_constant
+
+
+# --- ALGORITHM: a draw of questions, generated and scored ---
+
+
+def generate_responses(
+    llm: LLM, task: data.Task, sampling: dict, n_prompts: int, seed: int, step: int, device: str
+) -> tuple[list[dict], list]:
+    """This step's n_prompts questions for `seed` (a resumed run draws the same) and the engine's
+    sampling["n"] responses to each: (the questions, vLLM's outputs, one per question). Each rank
+    generates its share; every rank gets all."""
+    examples, seeds = task.questions(n_prompts, sampling["n"], seed, step)
+    prompts = [task.prompt(ex) for ex in examples]
+    params = []
+    for ex, first_seed in zip(examples, seeds, strict=True):
+        params.append(SamplingParams(**sampling, stop=task.stop(ex), seed=first_seed))
+    with engine_device(device):
+        outputs = llm.generate(my_share(prompts), my_share(params), use_tqdm=False)
+    return examples, gather(outputs)
+
+
+def score_responses(examples: list[dict], outputs: list) -> list[dict]:
+    """verifiers.score of each response (response k to question j at j G + k): each rank scores
+    the share it generated (code runs in a sandbox); every rank gets all."""
+    responses = []
+    questions = []
+    for ex, output in zip(my_share(examples), my_share(outputs), strict=True):
+        for completion in output.outputs:
+            responses.append(completion.text)
+            questions.append(ex)
+    return gather(verifiers.score_batch(responses, questions))
+
+
+# --- ALGORITHM: group-normalised advantages (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def group_normalize(
@@ -306,7 +344,7 @@ def group_normalize(
     return advantages.reshape(-1)
 
 
-# --- ALGORITHM: GRPO's reward and loss (pure: tests/test_grpo.py checks them by hand) ---
+# --- ALGORITHM: GRPO's reward and loss (pure: tests/test_grpo.py checks them by hand) (same in grpo.py, grpo_family.py, grpo_tools.py, grpo_async.py) ---
 
 
 def overlong_penalty(
@@ -381,38 +419,6 @@ def engine_importance_weights(
     return weights, above_cap
 
 
-# --- ALGORITHM: microbatches, and frozen models' log-probs (same in grpo.py and distill.py) ---
-
-
-def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, device: str):
-    """Yields (rows, their tensors on `device`) in microbatches of `size` rows of like lengths,
-    each cut to its longest row."""
-    rows = sorted(rows, key=lambda i: lengths[i])
-    for start in range(0, len(rows), size):
-        chunk = rows[start : start + size]
-        width = max(lengths[i] for i in chunk)
-        index = torch.tensor(chunk)
-        yield chunk, {k: v[index, :width].to(device) for k, v in tensors.items()}
-
-
-def frozen_log_probs(
-    model, batch: dict, lengths: list[int], rows: list[int], args, autocast
-) -> torch.Tensor:
-    """log p of each label of these rows of a padded batch (n, T) under a frozen model, at
-    args.temperature in args.microbatch_size rows and the trainer's autocast; the other rows
-    stay 0."""
-    device = next(model.parameters()).device
-    log_probs = torch.zeros(batch["labels"].shape, device=device)  # (n, T)
-    for chunk, micro in microbatches(batch, rows, lengths, args.microbatch_size, str(device)):
-        with torch.no_grad(), autocast:
-            out = get_response_log_probs(
-                model, micro["input_ids"], micro["labels"], temperature=args.temperature
-            )
-        width = micro["labels"].shape[1]
-        log_probs[chunk, :width] = out["log_probs"].float()
-    return log_probs
-
-
 # --- ALGORITHM: the engine's thread, which samples ahead of the trainer ---
 
 
@@ -455,6 +461,76 @@ def wait_for(future: Future, timeout_s: float):
 def overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
     """Seconds two (start, end) intervals share."""
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+# --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
+def get_lr(update: int, lr: float, warmup: int, n_updates: int, schedule: str) -> float:
+    """The learning rate of optimizer step `update` (counted from 0) of `n_updates`: linear
+    warmup from 0 over `warmup` steps, then constant, or cosine down to 0 at n_updates."""
+    if update < warmup:
+        return lr * (update / max(1, warmup))
+    if schedule == "constant":
+        return lr
+    progress = (update - warmup) / max(1, n_updates - warmup)
+    return lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def optimizer_step(
+    policy, optimizer, lr: float, max_grad_norm: float, n_bad_in_a_row: int = 0
+) -> tuple[float, int]:
+    """Clip the gradient's global L2 norm, step AdamW at `lr` and zero the gradient. Returns
+    the norm before clipping and the count of non-finite updates in a row: a non-finite
+    norm (an inf or NaN in the loss) skips the step, so that one bad batch cannot write NaN
+    into every weight, and three in a row stop the run."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
+    if math.isfinite(grad_norm):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        n_bad_in_a_row = 0
+    else:
+        n_bad_in_a_row += 1
+        if n_bad_in_a_row >= 3:
+            raise RuntimeError(
+                f"{n_bad_in_a_row} non-finite updates in a row: check the rewards and the lr"
+            )
+        warnings.warn(f"gradient norm {grad_norm} is not finite: update skipped", stacklevel=2)
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, n_bad_in_a_row
+
+
+# --- ALGORITHM: microbatches, and frozen models' log-probs (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
+def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, device: str):
+    """Yields (rows, their tensors on `device`) in microbatches of `size` rows of like lengths,
+    each cut to its longest row."""
+    rows = sorted(rows, key=lambda i: lengths[i])
+    for start in range(0, len(rows), size):
+        chunk = rows[start : start + size]
+        width = max(lengths[i] for i in chunk)
+        index = torch.tensor(chunk)
+        yield chunk, {k: v[index, :width].to(device) for k, v in tensors.items()}
+
+
+def frozen_log_probs(
+    model, batch: dict, lengths: list[int], rows: list[int], args, autocast
+) -> torch.Tensor:
+    """log p of each label of these rows of a padded batch (n, T) under a frozen model, at
+    args.temperature in args.microbatch_size rows and the trainer's autocast; the other rows
+    stay 0."""
+    device = next(model.parameters()).device
+    log_probs = torch.zeros(batch["labels"].shape, device=device)  # (n, T)
+    for chunk, micro in microbatches(batch, rows, lengths, args.microbatch_size, str(device)):
+        with torch.no_grad(), autocast:
+            out = get_response_log_probs(
+                model, micro["input_ids"], micro["labels"], temperature=args.temperature
+            )
+        width = micro["labels"].shape[1]
+        log_probs[chunk, :width] = out["log_probs"].float()
+    return log_probs
 
 
 # --- ALGORITHM: the GRPO update ---
@@ -613,6 +689,35 @@ def grpo_update(
             variance = metrics.pop("train/is_weight_sq_mean") - metrics["train/is_weight_mean"] ** 2
             metrics["train/is_weight_std"] = math.sqrt(max(variance, 0.0))
     return metrics, n_bad_in_a_row
+
+
+# per-token statistics of the update -> their train/ metric, a mean over the response tokens
+TOKEN_MEANS = {
+    "entropy": "train/entropy",
+    "clipped": "train/clip_fraction",
+    "clipped_low": "train/clip_fraction_low",
+    "clipped_high": "train/clip_fraction_high",
+    "kl": "train/kl",
+    "engine_gap": "train/engine_logprob_gap",
+    "above_is_cap": "train/frac_above_is_cap",
+    "is_weight": "train/is_weight_mean",
+    "is_weight_sq": "train/is_weight_sq_mean",
+}
+
+
+# --- ALGORITHM: the reload: the trainer's weights into the engine (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
+def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
+    """Copy the trainer's weights into the running engine, and drop its prefix cache: the
+    cached keys and values were computed with the old weights."""
+    dtype = llm.llm_engine.model_config.dtype
+    # a state dict, not named_parameters(): that one leaves out a tied lm_head.weight
+    weights = [(name, t.detach().to(dtype)) for name, t in merged_state_dict(policy).items()]
+    with engine_device(device):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
 
 
 def main(args: Args) -> Path:
@@ -854,7 +959,7 @@ def main(args: Args) -> Path:
     return run_dir
 
 
-# --- PLUMBING: grpo.py's own: the arguments, the step's metrics, rollouts.jsonl ---
+# --- PLUMBING: the arguments ---
 
 
 def check_args(args: Args) -> None:
@@ -900,18 +1005,34 @@ def check_args(args: Args) -> None:
             raise ValueError(message)
 
 
-# per-token statistics of the update -> their train/ metric, a mean over the response tokens
-TOKEN_MEANS = {
-    "entropy": "train/entropy",
-    "clipped": "train/clip_fraction",
-    "clipped_low": "train/clip_fraction_low",
-    "clipped_high": "train/clip_fraction_high",
-    "kl": "train/kl",
-    "engine_gap": "train/engine_logprob_gap",
-    "above_is_cap": "train/frac_above_is_cap",
-    "is_weight": "train/is_weight_mean",
-    "is_weight_sq": "train/is_weight_sq_mean",
-}
+# grpo_family.py's flags (docs/grpo_family.md): named here, so that grpo.py says where they went
+FAMILY_FLAGS = [
+    "loss-type",
+    "loss-aggregation",
+    "normalize-by-std",
+    "drop-zero-variance-groups",
+    "dynamic-sampling",
+    "max-draws",
+    "mask-truncated",
+]
+
+
+def refuse_family_flags(argv: list[str]) -> None:
+    """Stop with a message naming grpo_family.py if argv sets one of its flags (tyro would say
+    only that the flag is unknown)."""
+    given = []
+    for arg in argv:
+        flag = arg.split("=")[0].replace("_", "-").removeprefix("--").removeprefix("no-")
+        if flag in FAMILY_FLAGS:
+            given.append(arg)
+    if given:
+        raise SystemExit(
+            f"{' '.join(given)}: a flag of grpo_family.py, GRPO's research family;"
+            f" {Path(__file__).name} trains with the clipped surrogate and a token mean"
+        )
+
+
+# --- PLUMBING: the step's metrics, rollouts.jsonl (same in grpo.py, grpo_family.py, grpo_tools.py, grpo_async.py) ---
 
 
 def reward_statistics(
@@ -982,6 +1103,9 @@ def write_rollouts(
     append_jsonl(path, records)
 
 
+# --- PLUMBING: grpo_async.py's own: the rollouts sampled ahead, saved for --resume ---
+
+
 def save_sampled_ahead(run_dir: Path, step: int, sampled_ahead: dict[int, Future]) -> None:
     """sampled_ahead/step_N.pt: the rollouts sampled for the steps after N (vLLM's outputs,
     pickled), written before checkpoint N (a tmp file, renamed: a kill loses nothing). Files of
@@ -1013,34 +1137,7 @@ def load_sampled_ahead(run_dir: Path, step: int) -> dict[int, Future]:
     return sampled_ahead
 
 
-# grpo_family.py's flags (docs/grpo_family.md): named here, so that grpo.py says where they went
-FAMILY_FLAGS = [
-    "loss-type",
-    "loss-aggregation",
-    "normalize-by-std",
-    "drop-zero-variance-groups",
-    "dynamic-sampling",
-    "max-draws",
-    "mask-truncated",
-]
-
-
-def refuse_family_flags(argv: list[str]) -> None:
-    """Stop with a message naming grpo_family.py if argv sets one of its flags (tyro would say
-    only that the flag is unknown)."""
-    given = []
-    for arg in argv:
-        flag = arg.split("=")[0].replace("_", "-").removeprefix("--").removeprefix("no-")
-        if flag in FAMILY_FLAGS:
-            given.append(arg)
-    if given:
-        raise SystemExit(
-            f"{' '.join(given)}: a flag of grpo_family.py, GRPO's research family;"
-            f" {Path(__file__).name} trains with the clipped surrogate and a token mean"
-        )
-
-
-# --- PLUMBING: a group's prompt through the model once (--share-prompt; bench/shared_prompt.py) ---
+# --- PLUMBING: a group's prompt through the model once (--share-prompt; bench/shared_prompt.py) (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def prompt_microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, device: str):
@@ -1131,130 +1228,7 @@ def shared_prompt_log_probs(
     return result
 
 
-# --- CS336's GRPO functions that the loop does not call: the contract (tests/test_cs336_contract.py) ---
-
-
-def compute_group_normalized_rewards(
-    reward_fn: Callable[[str, dict], dict],
-    rollout_responses: list[str],
-    repeated_ground_truths: list,
-    group_size: int,
-    advantage_eps: float,
-    normalize_by_std: bool,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """CS336's: score each response with reward_fn(response, ground_truth), a dict with "reward"
-    (verifiers.score(response, example) is one), and normalise the rewards within their groups:
-    (advantages (B,), raw_rewards (B,), reward_statistics). The loop does the same in two parts:
-    each rank scores its share, then group_normalize."""
-    if len(rollout_responses) % group_size != 0:
-        raise ValueError(
-            f"{len(rollout_responses)} responses do not make whole groups of {group_size}"
-        )
-    reward_dicts = []
-    for response, ground_truth in zip(rollout_responses, repeated_ground_truths, strict=True):
-        reward_dicts.append(reward_fn(response, ground_truth))
-    raw_rewards = torch.tensor([d["reward"] for d in reward_dicts], dtype=torch.float32)  # (B,)
-    advantages = group_normalize(raw_rewards, group_size, advantage_eps, normalize_by_std)
-    return advantages, raw_rewards, reward_statistics(reward_dicts, raw_rewards, group_size)
-
-
-def compute_naive_policy_gradient_loss(
-    raw_rewards_or_advantages: torch.Tensor, policy_log_probs: torch.Tensor
-) -> torch.Tensor:
-    """Per-token REINFORCE loss -A log p: rewards or advantages (B, 1) or (B,), log-probs (B, T)
-    -> (B, T)."""
-    return -raw_rewards_or_advantages.reshape(-1, 1) * policy_log_probs
-
-
-def compute_policy_gradient_loss(
-    policy_log_probs: torch.Tensor,
-    loss_type: str,
-    raw_rewards: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    old_log_probs: torch.Tensor | None = None,
-    cliprange: float | tuple[float, float] | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The per-token loss (B, T) of loss_type, and its per-token metadata: no_baseline -r log p,
-    reinforce_with_baseline -A log p, grpo_clip (the loop calls compute_grpo_clip_loss itself;
-    grpo_family.py adds GSPO and CISPO). Raises if an input that loss_type needs is None."""
-    given = {
-        "raw_rewards": raw_rewards,
-        "advantages": advantages,
-        "old_log_probs": old_log_probs,
-        "cliprange": cliprange,
-    }
-    needs = {
-        "no_baseline": ["raw_rewards"],
-        "reinforce_with_baseline": ["advantages"],
-        "grpo_clip": ["advantages", "old_log_probs", "cliprange"],
-    }
-    if loss_type not in needs:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(needs)}")
-    missing = [name for name in needs[loss_type] if given[name] is None]
-    if missing:
-        raise ValueError(f"loss_type {loss_type!r} needs {', '.join(missing)}")
-    if loss_type == "no_baseline":
-        return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
-    if loss_type == "reinforce_with_baseline":
-        return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
-    return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
-
-
-def grpo_microbatch_train_step(
-    policy_log_probs: torch.Tensor,
-    response_mask: torch.Tensor,
-    gradient_accumulation_steps: int,
-    loss_type: str,
-    raw_rewards: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    old_log_probs: torch.Tensor | None = None,
-    cliprange: float | tuple[float, float] | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CS336's microbatch step; calls backward(). The per-token loss of loss_type, averaged over
-    each response's tokens, then over the microbatch's responses, divided by
-    gradient_accumulation_steps (the microbatches of one optimizer step). Returns the loss
-    (detached) and the per-token metadata. grpo_family.py's --loss-aggregation sequence_mean
-    gives the same gradient with microbatches of one size (tests/test_grpo_family.py)."""
-    per_token_loss, metadata = compute_policy_gradient_loss(
-        policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
-    )
-    loss = masked_mean(per_token_loss, response_mask, dim=-1).mean() / gradient_accumulation_steps
-    loss.backward()
-    return loss.detach(), metadata
-
-
-# --- PLUMBING: a draw of questions, generated and scored (same in expert_iter.py, grpo.py, distill.py) ---
-
-
-def generate_responses(
-    llm: LLM, task: data.Task, sampling: dict, n_prompts: int, seed: int, step: int, device: str
-) -> tuple[list[dict], list]:
-    """This step's n_prompts questions for `seed` (a resumed run draws the same) and the engine's
-    sampling["n"] responses to each: (the questions, vLLM's outputs, one per question). Each rank
-    generates its share; every rank gets all."""
-    examples, seeds = task.questions(n_prompts, sampling["n"], seed, step)
-    prompts = [task.prompt(ex) for ex in examples]
-    params = []
-    for ex, first_seed in zip(examples, seeds, strict=True):
-        params.append(SamplingParams(**sampling, stop=task.stop(ex), seed=first_seed))
-    with engine_device(device):
-        outputs = llm.generate(my_share(prompts), my_share(params), use_tqdm=False)
-    return examples, gather(outputs)
-
-
-def score_responses(examples: list[dict], outputs: list) -> list[dict]:
-    """verifiers.score of each response (response k to question j at j G + k): each rank scores
-    the share it generated (code runs in a sandbox); every rank gets all."""
-    responses = []
-    questions = []
-    for ex, output in zip(my_share(examples), my_share(outputs), strict=True):
-        for completion in output.outputs:
-            responses.append(completion.text)
-            questions.append(ex)
-    return gather(verifiers.score_batch(responses, questions))
-
-
-# --- PLUMBING: a frozen model: the KL's reference, distill.py's teacher (same in grpo.py and distill.py) ---
+# --- PLUMBING: a frozen model: the KL's reference, distill.py's teacher (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def load_frozen_model(name: str, device: str):
@@ -1264,71 +1238,7 @@ def load_frozen_model(name: str, device: str):
     return model.to(device).requires_grad_(False)
 
 
-# --- PLUMBING: the rest of CS336's vocabulary, the output layer in chunks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-
-def tokenize_prompt_and_output(
-    prompt_strs: list[str], output_strs: list[str], tokenizer
-) -> dict[str, torch.Tensor]:
-    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
-    response_mask, each (B, T)."""
-    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
-    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = tokenizer.eos_token_id or 0
-    return collate_token_ids(prompt_ids, output_ids, pad_id)
-
-
-def masked_normalize(
-    tensor: torch.Tensor,
-    mask: torch.Tensor,
-    normalize_constant: float,
-    dim: int | None = None,
-) -> torch.Tensor:
-    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
-    return (tensor * mask).sum(dim=dim) / normalize_constant
-
-
-def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
-    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
-
-
-def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
-
-    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
-    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
-    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
-    chunks = []
-    for z in flat.split(chunk_size):
-        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
-    return torch.cat(chunks).reshape(logits.shape[:-1])
-
-
-def chunk_log_probs(
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    head,
-    temperature: float,
-    return_token_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
-    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
-    # float32 even under bf16 autocast
-    logits = head(hidden).float() / temperature  # (n, V)
-    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
-    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
-    if not return_token_entropy:
-        return log_probs, None
-    # last: the backward's recomputation stops before it
-    with torch.no_grad():
-        entropy = compute_entropy(logits)
-    return log_probs, entropy
-
-
-# --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 class LoRALinear(torch.nn.Module):
@@ -1390,7 +1300,7 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     return state
 
 
-# --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: the engine's start, and the check that it follows the trainer (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def engine_device(device: str):
@@ -1446,18 +1356,6 @@ def init_vllm(
         device_ids=[gpu],
         gpu_memory_utilization=gpu_memory_utilization,
     )
-
-
-def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
-    """Copy the trainer's weights into the running engine, and drop its prefix cache: the
-    cached keys and values were computed with the old weights."""
-    dtype = llm.llm_engine.model_config.dtype
-    # a state dict, not named_parameters(): that one leaves out a tied lm_head.weight
-    weights = [(name, t.detach().to(dtype)) for name, t in merged_state_dict(policy).items()]
-    with engine_device(device):
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if not llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
 
 
 def make_probe_prompts(tokenizer, texts: list[str], n_tokens: int = 400) -> list[list[int]]:
@@ -1539,6 +1437,9 @@ def reload_and_check(
     return gap
 
 
+# --- PLUMBING: evaluation through the engine (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_async.py) ---
+
+
 def evaluate(
     llm: LLM,
     policy,
@@ -1596,6 +1497,19 @@ def evaluate(
     return {**metrics, "time/eval": time.time() - t0}
 
 
+def tokenize_prompt_and_output(
+    prompt_strs: list[str], output_strs: list[str], tokenizer
+) -> dict[str, torch.Tensor]:
+    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
+    response_mask, each (B, T)."""
+    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
+    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id or 0
+    return collate_token_ids(prompt_ids, output_ids, pad_id)
+
+
 def log_generations(policy, tokenizer, records: list[dict]) -> list[dict]:
     """The records, each with the trainer's mean token entropy over its response."""
     out = []
@@ -1612,7 +1526,8 @@ def log_generations(policy, tokenizer, records: list[dict]) -> list[dict]:
     return out
 
 
-# --- PLUMBING: run folder, devices, checkpoints, logs, ranks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: run folder, devices, checkpoints, logs (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
 
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {
@@ -1896,12 +1811,19 @@ def timed(metrics: dict, phase: str):
     metrics[key] = metrics.get(key, 0.0) + time.time() - t0
 
 
+# --- PLUMBING: torchrun's ranks: each takes a share, the gradients are summed (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
 # Data parallel under torchrun (docs/distributed.md): every rank holds a whole model and an
 # engine, generates a share of each step's questions and trains a share of each batch's rows.
 # The gradients are summed over the ranks, so the update is the one a single process makes.
 # Alone: rank 0 of 1.
 RANK = int(os.environ.get("RANK", 0))
+
+
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))
+
+
 # under torchrun: a gloo group, and how long a rank waits in it for the others
 RANK_GROUP = {}
 

@@ -48,7 +48,6 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -197,7 +196,7 @@ class Args:
     """under torchrun: how long a rank waits for the others before naming them and stopping"""
 
 
-# --- ALGORITHM, CS336 vocabulary: tokens and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- ALGORITHM: CS336 vocabulary: tokens, log-probs, the output layer in chunks (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def collate_token_ids(
@@ -256,7 +255,336 @@ def get_response_log_probs(
     return out
 
 
-# --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+def chunk_log_probs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head,
+    temperature: float,
+    return_token_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
+    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
+    # float32 even under bf16 autocast
+    logits = head(hidden).float() / temperature  # (n, V)
+    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
+    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
+    if not return_token_entropy:
+        return log_probs, None
+    # last: the backward's recomputation stops before it
+    with torch.no_grad():
+        entropy = compute_entropy(logits)
+    return log_probs, entropy
+
+
+def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
+
+    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
+    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
+    chunks = []
+    for z in flat.split(chunk_size):
+        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
+    return torch.cat(chunks).reshape(logits.shape[:-1])
+
+
+# --- ALGORITHM: CS336 vocabulary: a masked sum (the SFT and distillation losses, logged entropies) (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_async.py) ---
+
+
+def masked_normalize(
+    tensor: torch.Tensor,
+    mask: torch.Tensor,
+    normalize_constant: float,
+    dim: int | None = None,
+) -> torch.Tensor:
+    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
+    return (tensor * mask).sum(dim=dim) / normalize_constant
+
+
+# --- ALGORITHM: a draw of questions, generated and scored ---
+
+
+def generate_responses(
+    llm: LLM, task: data.Task, sampling: dict, n_prompts: int, seed: int, step: int, device: str
+) -> tuple[list[dict], list]:
+    """This step's n_prompts questions for `seed` (a resumed run draws the same) and the engine's
+    sampling["n"] responses to each: (the questions, vLLM's outputs, one per question). Each rank
+    generates its share; every rank gets all."""
+    examples, seeds = task.questions(n_prompts, sampling["n"], seed, step)
+    prompts = [task.prompt(ex) for ex in examples]
+    params = []
+    for ex, first_seed in zip(examples, seeds, strict=True):
+        params.append(SamplingParams(**sampling, stop=task.stop(ex), seed=first_seed))
+    with engine_device(device):
+        outputs = llm.generate(my_share(prompts), my_share(params), use_tqdm=False)
+    return examples, gather(outputs)
+
+
+def score_responses(examples: list[dict], outputs: list) -> list[dict]:
+    """verifiers.score of each response (response k to question j at j G + k): each rank scores
+    the share it generated (code runs in a sandbox); every rank gets all."""
+    responses = []
+    questions = []
+    for ex, output in zip(my_share(examples), my_share(outputs), strict=True):
+        for completion in output.outputs:
+            responses.append(completion.text)
+            questions.append(ex)
+    return gather(verifiers.score_batch(responses, questions))
+
+
+# --- ALGORITHM: group-normalised advantages (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
+def group_normalize(
+    raw_rewards: torch.Tensor, group_size: int, eps: float, normalize_by_std: bool
+) -> torch.Tensor:
+    """Each reward minus its group's mean, divided by the group's std + eps if normalize_by_std
+    (torch's unbiased std, as CS336, TRL and verl): (B,) -> (B,), rewards i G ... i G + G - 1
+    forming group i. A group of equal rewards gets 0: it adds no gradient. With G = 4:
+        rewards          [1,    0,     0,     0,        1, 1, 1, 1]
+        - group mean     [0.75, -0.25, -0.25, -0.25,    0, 0, 0, 0]
+        / group std 0.5  [1.5,  -0.5,  -0.5,  -0.5,     0, 0, 0, 0]"""
+    grouped = raw_rewards.view(-1, group_size)  # (n_groups, G)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_by_std:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    return advantages.reshape(-1)
+
+
+# --- ALGORITHM: GRPO's reward and loss (pure: tests/test_grpo.py checks them by hand) (same in grpo.py, grpo_family.py, grpo_tools.py, grpo_async.py) ---
+
+
+def overlong_penalty(
+    n_tokens: torch.Tensor, max_tokens: int, buffer: int, penalty: float
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by `penalty`: 0 up to
+    max_tokens - buffer tokens, then linear down to -penalty at max_tokens (buffer 0: none):
+    (B,) lengths -> (B,)."""
+    return -penalty * ((n_tokens - (max_tokens - buffer)) / max(buffer, 1)).clamp(0, 1)
+
+
+def rollout_rewards(scores: list[dict], outputs: list, args: Args) -> torch.Tensor:
+    """Each response's reward (B,): the verifier's, plus DAPO's overlong penalty on its length
+    (0 unless --overlong-buffer). outputs: vLLM's, one per question, their responses in order."""
+    n_tokens = [len(c.token_ids) for output in outputs for c in output.outputs]
+    penalties = overlong_penalty(
+        torch.tensor(n_tokens), args.max_tokens, args.overlong_buffer, args.overlong_penalty
+    )
+    rewards = [s["reward"] + penalty for s, penalty in zip(scores, penalties.tolist(), strict=True)]
+    return torch.tensor(rewards, dtype=torch.float32)
+
+
+def clip_bounds(cliprange: float | tuple[float, float]) -> tuple[float, float]:
+    """(low, high) of a cliprange given as one float or as (low, high)."""
+    if isinstance(cliprange, int | float):
+        return cliprange, cliprange
+    return cliprange
+
+
+def compute_grpo_clip_loss(
+    advantages: torch.Tensor,
+    policy_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    cliprange: float | tuple[float, float],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped surrogate -min(r A, clip(r, 1 - low, 1 + high) A), r = p / p_old:
+    advantages (B, 1) or (B,), log-probs (B, T), cliprange a float or (low, high) (DAPO's
+    clip-higher: (0.2, 0.28)) -> the loss (B, T) and (B, T) metadata: "clipped" where a bound is
+    active (no gradient there), "clipped_high" (A > 0), "clipped_low" (A < 0), the ratio."""
+    low, high = clip_bounds(cliprange)
+    advantages = advantages.reshape(-1, 1)  # (B, 1)
+    ratio = torch.exp(policy_log_probs - old_log_probs)  # (B, T)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - low, 1 + high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    is_clipped = clipped < unclipped
+    metadata = {
+        "clipped": is_clipped,
+        "clipped_high": is_clipped & (advantages > 0),
+        "clipped_low": is_clipped & (advantages < 0),
+        "ratio": ratio.detach(),
+    }
+    return loss, metadata
+
+
+def compute_k3_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(policy || reference) per token (Schulman 2020): exp(d) - d - 1, d =
+    log p_ref - log p, on tokens sampled from the policy: (B, T). Unbiased, >= 0, and 0 exactly
+    where the two agree."""
+    log_ratio = ref_log_probs - policy_log_probs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def engine_importance_weights(
+    old_log_probs: torch.Tensor, engine_log_probs: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling of the engine's numerics (as verl): the engine sampled from
+    its own p_engine (bf16 on a GPU), not from p_old. The weight min(p_old / p_engine, cap),
+    detached (B, T), and where the ratio is above the cap (B, T)."""
+    weights = torch.exp(old_log_probs - engine_log_probs).clamp(max=cap).detach()
+    above_cap = old_log_probs - engine_log_probs > math.log(cap)
+    return weights, above_cap
+
+
+# --- ALGORITHM: the family's filters, losses and aggregations (pure: tests/test_grpo_family.py checks them by hand) ---
+
+
+def groups_with_signal(raw_rewards: torch.Tensor, group_size: int, loss_type: str) -> torch.Tensor:
+    """(n_groups,) bool: the groups whose loss has a gradient: rewards not all equal (A != 0);
+    with no_baseline (-r log p), any reward that is not 0."""
+    rewards = raw_rewards.view(-1, group_size)  # (n_groups, G)
+    if loss_type == "no_baseline":
+        return (rewards != 0).any(dim=1)
+    return rewards.std(dim=1) > 0
+
+
+def responses_to_train(
+    raw_rewards: torch.Tensor, truncated: list[bool], max_groups: int, args: Args
+) -> list[int]:
+    """The rows trained on: those of the first max_groups groups with a gradient (of every group
+    with --no-drop-zero-variance-groups), less those cut off at --max-tokens with
+    --mask-truncated."""
+    has_signal = groups_with_signal(raw_rewards, args.group_size, args.loss_type)  # (n_groups,)
+    # dynamic sampling may have drawn more: the first max_groups fill the batch
+    has_signal &= has_signal.cumsum(0) <= max_groups
+    rows = []
+    for i, is_truncated in enumerate(truncated):
+        if args.drop_zero_variance_groups and not has_signal[i // args.group_size]:
+            continue
+        if args.mask_truncated and is_truncated:
+            continue
+        rows.append(i)
+    return rows
+
+
+def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
+    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
+
+
+def compute_gspo_loss(
+    advantages: torch.Tensor,
+    policy_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    cliprange: float | tuple[float, float],
+    response_mask: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025): grpo_clip's surrogate of one ratio per response, s_i =
+    exp(mean_t (log p - log p_old)) over its tokens, on each of its tokens. Its range is tiny
+    (--clip-low 3e-4 --clip-high 4e-4). The loss and metadata (B, T), as grpo_clip's."""
+    mask = response_mask.to(policy_log_probs.dtype)
+    log_ratio = masked_mean(policy_log_probs - old_log_probs, mask, dim=-1).unsqueeze(-1)  # (B, 1)
+    zeros = torch.zeros_like(log_ratio)
+    loss, metadata = compute_grpo_clip_loss(advantages, log_ratio, zeros, cliprange)
+    metadata = {key: value.expand_as(policy_log_probs) for key, value in metadata.items()}
+    return loss.expand_as(policy_log_probs), metadata
+
+
+def compute_cispo_loss(
+    advantages: torch.Tensor,
+    policy_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    cliprange: float | tuple[float, float],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1): the clipped ratio, detached, weighs -A log p, so every token keeps a
+    gradient (--clip-low 1: no lower bound). The loss (B, T) and metadata: "clipped", the ratio."""
+    low, high = clip_bounds(cliprange)
+    ratio = torch.exp(policy_log_probs - old_log_probs).detach()  # (B, T)
+    weight = ratio.clamp(1 - low, 1 + high)
+    loss = -weight * advantages.reshape(-1, 1) * policy_log_probs
+    return loss, {"clipped": weight != ratio, "ratio": ratio}
+
+
+def compute_naive_policy_gradient_loss(
+    raw_rewards_or_advantages: torch.Tensor, policy_log_probs: torch.Tensor
+) -> torch.Tensor:
+    """Per-token REINFORCE loss -A log p: rewards or advantages (B, 1) or (B,), log-probs (B, T)
+    -> (B, T)."""
+    return -raw_rewards_or_advantages.reshape(-1, 1) * policy_log_probs
+
+
+# each loss_type's inputs besides the log-probs
+LOSS_INPUTS = {
+    "no_baseline": ("raw_rewards",),
+    "reinforce_with_baseline": ("advantages",),
+    "grpo_clip": ("advantages", "old_log_probs", "cliprange"),
+    "gspo": ("advantages", "old_log_probs", "cliprange", "response_mask"),
+    "cispo": ("advantages", "old_log_probs", "cliprange"),
+}
+
+
+def compute_policy_gradient_loss(
+    policy_log_probs: torch.Tensor,
+    loss_type: str,
+    raw_rewards: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | tuple[float, float] | None = None,
+    response_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token loss (B, T) of loss_type, and its per-token metadata: no_baseline -r log p,
+    reinforce_with_baseline -A log p, grpo_clip, gspo, cispo (docs/grpo_family.md). Raises if an
+    input that loss_type needs (LOSS_INPUTS) is None."""
+    given = {
+        "raw_rewards": raw_rewards,
+        "advantages": advantages,
+        "old_log_probs": old_log_probs,
+        "cliprange": cliprange,
+        "response_mask": response_mask,
+    }
+    if loss_type not in LOSS_INPUTS:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(LOSS_INPUTS)}")
+    missing = [name for name in LOSS_INPUTS[loss_type] if given[name] is None]
+    if missing:
+        raise ValueError(f"loss_type {loss_type!r} needs {', '.join(missing)}")
+    if loss_type == "no_baseline":
+        return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
+    if loss_type == "reinforce_with_baseline":
+        return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
+    if loss_type == "gspo":
+        return compute_gspo_loss(
+            advantages, policy_log_probs, old_log_probs, cliprange, response_mask
+        )
+    if loss_type == "cispo":
+        return compute_cispo_loss(advantages, policy_log_probs, old_log_probs, cliprange)
+    return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
+
+
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
+
+
+def aggregate_loss(
+    per_token_loss: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_aggregation: str,
+    n_sequences: int,
+    n_tokens: int,
+    normalize_constant: float | None = None,
+) -> torch.Tensor:
+    """This microbatch's share of its minibatch's loss, sum_it w_it l_it over the response tokens,
+    with the weights of the whole minibatch (n_sequences responses, n_tokens response tokens, on
+    every rank together), so that the microbatches' losses and gradients add up to the
+    minibatch's however it is split or padded (the weights, compared: docs/grpo_family.md):
+        token_mean     w = 1 / n_tokens: one mean over all tokens (DAPO; TRL's and verl's default)
+        sequence_mean  w = 1 / (n_sequences |o_i|): each response's mean, then their mean (CS336)
+        constant       w = 1 / (n_sequences normalize_constant), e.g. --max-tokens (Dr. GRPO)"""
+    mask = response_mask.to(per_token_loss.dtype)
+    if loss_aggregation == "token_mean":
+        divisor = n_tokens
+    elif loss_aggregation == "sequence_mean":
+        divisor = mask.sum(-1, keepdim=True) * n_sequences  # (B, 1)
+    elif loss_aggregation == "constant":
+        if normalize_constant is None:
+            raise ValueError("loss_aggregation 'constant' needs normalize_constant")
+        divisor = n_sequences * normalize_constant
+    else:
+        raise ValueError(
+            f"unknown loss_aggregation {loss_aggregation!r}; choose from {LOSS_AGGREGATIONS}"
+        )
+    return (per_token_loss * mask / divisor).sum()
+
+
+# --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def get_lr(update: int, lr: float, warmup: int, n_updates: int, schedule: str) -> float:
@@ -294,206 +622,7 @@ def optimizer_step(
     return grad_norm, n_bad_in_a_row
 
 
-# --- ALGORITHM: group-normalised advantages (same in grpo.py and distill.py) ---
-
-
-def group_normalize(
-    raw_rewards: torch.Tensor, group_size: int, eps: float, normalize_by_std: bool
-) -> torch.Tensor:
-    """Each reward minus its group's mean, divided by the group's std + eps if normalize_by_std
-    (torch's unbiased std, as CS336, TRL and verl): (B,) -> (B,), rewards i G ... i G + G - 1
-    forming group i. A group of equal rewards gets 0: it adds no gradient. With G = 4:
-        rewards          [1,    0,     0,     0,        1, 1, 1, 1]
-        - group mean     [0.75, -0.25, -0.25, -0.25,    0, 0, 0, 0]
-        / group std 0.5  [1.5,  -0.5,  -0.5,  -0.5,     0, 0, 0, 0]"""
-    grouped = raw_rewards.view(-1, group_size)  # (n_groups, G)
-    advantages = grouped - grouped.mean(dim=1, keepdim=True)
-    if normalize_by_std:
-        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
-    return advantages.reshape(-1)
-
-
-# --- ALGORITHM: GRPO's rewards and losses, the family's too (pure: tests check them by hand) ---
-
-
-def overlong_penalty(
-    n_tokens: torch.Tensor, max_tokens: int, buffer: int, penalty: float
-) -> torch.Tensor:
-    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by `penalty`: 0 up to
-    max_tokens - buffer tokens, then linear down to -penalty at max_tokens (buffer 0: none):
-    (B,) lengths -> (B,)."""
-    return -penalty * ((n_tokens - (max_tokens - buffer)) / max(buffer, 1)).clamp(0, 1)
-
-
-def rollout_rewards(scores: list[dict], outputs: list, args: Args) -> torch.Tensor:
-    """Each response's reward (B,): the verifier's, plus DAPO's overlong penalty on its length
-    (0 unless --overlong-buffer). outputs: vLLM's, one per question, their responses in order."""
-    n_tokens = [len(c.token_ids) for output in outputs for c in output.outputs]
-    penalties = overlong_penalty(
-        torch.tensor(n_tokens), args.max_tokens, args.overlong_buffer, args.overlong_penalty
-    )
-    rewards = [s["reward"] + penalty for s, penalty in zip(scores, penalties.tolist(), strict=True)]
-    return torch.tensor(rewards, dtype=torch.float32)
-
-
-def groups_with_signal(raw_rewards: torch.Tensor, group_size: int, loss_type: str) -> torch.Tensor:
-    """(n_groups,) bool: the groups whose loss has a gradient: rewards not all equal (A != 0);
-    with no_baseline (-r log p), any reward that is not 0."""
-    rewards = raw_rewards.view(-1, group_size)  # (n_groups, G)
-    if loss_type == "no_baseline":
-        return (rewards != 0).any(dim=1)
-    return rewards.std(dim=1) > 0
-
-
-def responses_to_train(
-    raw_rewards: torch.Tensor, truncated: list[bool], max_groups: int, args: Args
-) -> list[int]:
-    """The rows trained on: those of the first max_groups groups with a gradient (of every group
-    with --no-drop-zero-variance-groups), less those cut off at --max-tokens with
-    --mask-truncated."""
-    has_signal = groups_with_signal(raw_rewards, args.group_size, args.loss_type)  # (n_groups,)
-    # dynamic sampling may have drawn more: the first max_groups fill the batch
-    has_signal &= has_signal.cumsum(0) <= max_groups
-    rows = []
-    for i, is_truncated in enumerate(truncated):
-        if args.drop_zero_variance_groups and not has_signal[i // args.group_size]:
-            continue
-        if args.mask_truncated and is_truncated:
-            continue
-        rows.append(i)
-    return rows
-
-
-def clip_bounds(cliprange: float | tuple[float, float]) -> tuple[float, float]:
-    """(low, high) of a cliprange given as one float or as (low, high)."""
-    if isinstance(cliprange, int | float):
-        return cliprange, cliprange
-    return cliprange
-
-
-def compute_grpo_clip_loss(
-    advantages: torch.Tensor,
-    policy_log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    cliprange: float | tuple[float, float],
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token clipped surrogate -min(r A, clip(r, 1 - low, 1 + high) A), r = p / p_old:
-    advantages (B, 1) or (B,), log-probs (B, T), cliprange a float or (low, high) (DAPO's
-    clip-higher: (0.2, 0.28)) -> the loss (B, T) and (B, T) metadata: "clipped" where a bound is
-    active (no gradient there), "clipped_high" (A > 0), "clipped_low" (A < 0), the ratio."""
-    low, high = clip_bounds(cliprange)
-    advantages = advantages.reshape(-1, 1)  # (B, 1)
-    ratio = torch.exp(policy_log_probs - old_log_probs)  # (B, T)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - low, 1 + high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    is_clipped = clipped < unclipped
-    metadata = {
-        "clipped": is_clipped,
-        "clipped_high": is_clipped & (advantages > 0),
-        "clipped_low": is_clipped & (advantages < 0),
-        "ratio": ratio.detach(),
-    }
-    return loss, metadata
-
-
-def compute_gspo_loss(
-    advantages: torch.Tensor,
-    policy_log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    cliprange: float | tuple[float, float],
-    response_mask: torch.Tensor,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO (Zheng et al. 2025): grpo_clip's surrogate of one ratio per response, s_i =
-    exp(mean_t (log p - log p_old)) over its tokens, on each of its tokens. Its range is tiny
-    (--clip-low 3e-4 --clip-high 4e-4). The loss and metadata (B, T), as grpo_clip's."""
-    mask = response_mask.to(policy_log_probs.dtype)
-    log_ratio = masked_mean(policy_log_probs - old_log_probs, mask, dim=-1).unsqueeze(-1)  # (B, 1)
-    zeros = torch.zeros_like(log_ratio)
-    loss, metadata = compute_grpo_clip_loss(advantages, log_ratio, zeros, cliprange)
-    metadata = {key: value.expand_as(policy_log_probs) for key, value in metadata.items()}
-    return loss.expand_as(policy_log_probs), metadata
-
-
-def compute_cispo_loss(
-    advantages: torch.Tensor,
-    policy_log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    cliprange: float | tuple[float, float],
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CISPO (MiniMax-M1): the clipped ratio, detached, weighs -A log p, so every token keeps a
-    gradient (--clip-low 1: no lower bound). The loss (B, T) and metadata: "clipped", the ratio."""
-    low, high = clip_bounds(cliprange)
-    ratio = torch.exp(policy_log_probs - old_log_probs).detach()  # (B, T)
-    weight = ratio.clamp(1 - low, 1 + high)
-    loss = -weight * advantages.reshape(-1, 1) * policy_log_probs
-    return loss, {"clipped": weight != ratio, "ratio": ratio}
-
-
-# each loss_type's inputs besides the log-probs
-LOSS_INPUTS = {
-    "no_baseline": ("raw_rewards",),
-    "reinforce_with_baseline": ("advantages",),
-    "grpo_clip": ("advantages", "old_log_probs", "cliprange"),
-    "gspo": ("advantages", "old_log_probs", "cliprange", "response_mask"),
-    "cispo": ("advantages", "old_log_probs", "cliprange"),
-}
-
-
-def compute_k3_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
-    """k3 estimate of KL(policy || reference) per token (Schulman 2020): exp(d) - d - 1, d =
-    log p_ref - log p, on tokens sampled from the policy: (B, T). Unbiased, >= 0, and 0 exactly
-    where the two agree."""
-    log_ratio = ref_log_probs - policy_log_probs
-    return torch.exp(log_ratio) - log_ratio - 1
-
-
-def engine_importance_weights(
-    old_log_probs: torch.Tensor, engine_log_probs: torch.Tensor, cap: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance sampling of the engine's numerics (as verl): the engine sampled from
-    its own p_engine (bf16 on a GPU), not from p_old. The weight min(p_old / p_engine, cap),
-    detached (B, T), and where the ratio is above the cap (B, T)."""
-    weights = torch.exp(old_log_probs - engine_log_probs).clamp(max=cap).detach()
-    above_cap = old_log_probs - engine_log_probs > math.log(cap)
-    return weights, above_cap
-
-
-LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
-
-
-def aggregate_loss(
-    per_token_loss: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_aggregation: str,
-    n_sequences: int,
-    n_tokens: int,
-    normalize_constant: float | None = None,
-) -> torch.Tensor:
-    """This microbatch's share of its minibatch's loss, sum_it w_it l_it over the response tokens,
-    with the weights of the whole minibatch (n_sequences responses, n_tokens response tokens, on
-    every rank together), so that the microbatches' losses and gradients add up to the
-    minibatch's however it is split or padded (the weights, compared: docs/grpo_family.md):
-        token_mean     w = 1 / n_tokens: one mean over all tokens (DAPO; TRL's and verl's default)
-        sequence_mean  w = 1 / (n_sequences |o_i|): each response's mean, then their mean (CS336)
-        constant       w = 1 / (n_sequences normalize_constant), e.g. --max-tokens (Dr. GRPO)"""
-    mask = response_mask.to(per_token_loss.dtype)
-    if loss_aggregation == "token_mean":
-        divisor = n_tokens
-    elif loss_aggregation == "sequence_mean":
-        divisor = mask.sum(-1, keepdim=True) * n_sequences  # (B, 1)
-    elif loss_aggregation == "constant":
-        if normalize_constant is None:
-            raise ValueError("loss_aggregation 'constant' needs normalize_constant")
-        divisor = n_sequences * normalize_constant
-    else:
-        raise ValueError(
-            f"unknown loss_aggregation {loss_aggregation!r}; choose from {LOSS_AGGREGATIONS}"
-        )
-    return (per_token_loss * mask / divisor).sum()
-
-
-# --- ALGORITHM: microbatches, and frozen models' log-probs (same in grpo.py and distill.py) ---
+# --- ALGORITHM: microbatches, and frozen models' log-probs (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, device: str):
@@ -687,6 +816,33 @@ def grpo_update(
             if key in totals:
                 metrics[name] = totals[key] / max(totals["tokens"], 1)
     return metrics, n_bad_in_a_row
+
+
+# per-token statistics of the update -> their train/ metric, a mean over the response tokens
+TOKEN_MEANS = {
+    "entropy": "train/entropy",
+    "clipped": "train/clip_fraction",
+    "clipped_low": "train/clip_fraction_low",
+    "clipped_high": "train/clip_fraction_high",
+    "kl": "train/kl",
+    "engine_gap": "train/engine_logprob_gap",
+    "above_is_cap": "train/frac_above_is_cap",
+}
+
+
+# --- ALGORITHM: the reload: the trainer's weights into the engine (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
+def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
+    """Copy the trainer's weights into the running engine, and drop its prefix cache: the
+    cached keys and values were computed with the old weights."""
+    dtype = llm.llm_engine.model_config.dtype
+    # a state dict, not named_parameters(): that one leaves out a tied lm_head.weight
+    weights = [(name, t.detach().to(dtype)) for name, t in merged_state_dict(policy).items()]
+    with engine_device(device):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
 
 
 def main(args: Args) -> Path:
@@ -894,7 +1050,7 @@ def main(args: Args) -> Path:
     return run_dir
 
 
-# --- PLUMBING: grpo.py's own: the arguments, the step's metrics, rollouts.jsonl ---
+# --- PLUMBING: the arguments ---
 
 
 def check_args(args: Args) -> None:
@@ -947,16 +1103,7 @@ def check_args(args: Args) -> None:
             raise ValueError(message)
 
 
-# per-token statistics of the update -> their train/ metric, a mean over the response tokens
-TOKEN_MEANS = {
-    "entropy": "train/entropy",
-    "clipped": "train/clip_fraction",
-    "clipped_low": "train/clip_fraction_low",
-    "clipped_high": "train/clip_fraction_high",
-    "kl": "train/kl",
-    "engine_gap": "train/engine_logprob_gap",
-    "above_is_cap": "train/frac_above_is_cap",
-}
+# --- PLUMBING: the step's metrics, rollouts.jsonl (same in grpo.py, grpo_family.py, grpo_tools.py, grpo_async.py) ---
 
 
 def reward_statistics(
@@ -1027,7 +1174,7 @@ def write_rollouts(
     append_jsonl(path, records)
 
 
-# --- PLUMBING: a group's prompt through the model once (--share-prompt; bench/shared_prompt.py) ---
+# --- PLUMBING: a group's prompt through the model once (--share-prompt; bench/shared_prompt.py) (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def prompt_microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, device: str):
@@ -1118,139 +1265,7 @@ def shared_prompt_log_probs(
     return result
 
 
-# --- CS336's GRPO functions, the contract (tests/test_cs336_contract.py); grpo_update calls one ---
-
-
-def compute_group_normalized_rewards(
-    reward_fn: Callable[[str, dict], dict],
-    rollout_responses: list[str],
-    repeated_ground_truths: list,
-    group_size: int,
-    advantage_eps: float,
-    normalize_by_std: bool,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """CS336's: score each response with reward_fn(response, ground_truth), a dict with "reward"
-    (verifiers.score(response, example) is one), and normalise the rewards within their groups:
-    (advantages (B,), raw_rewards (B,), reward_statistics). The loop does the same in two parts:
-    each rank scores its share, then group_normalize."""
-    if len(rollout_responses) % group_size != 0:
-        raise ValueError(
-            f"{len(rollout_responses)} responses do not make whole groups of {group_size}"
-        )
-    reward_dicts = []
-    for response, ground_truth in zip(rollout_responses, repeated_ground_truths, strict=True):
-        reward_dicts.append(reward_fn(response, ground_truth))
-    raw_rewards = torch.tensor([d["reward"] for d in reward_dicts], dtype=torch.float32)  # (B,)
-    advantages = group_normalize(raw_rewards, group_size, advantage_eps, normalize_by_std)
-    return advantages, raw_rewards, reward_statistics(reward_dicts, raw_rewards, group_size)
-
-
-def compute_naive_policy_gradient_loss(
-    raw_rewards_or_advantages: torch.Tensor, policy_log_probs: torch.Tensor
-) -> torch.Tensor:
-    """Per-token REINFORCE loss -A log p: rewards or advantages (B, 1) or (B,), log-probs (B, T)
-    -> (B, T)."""
-    return -raw_rewards_or_advantages.reshape(-1, 1) * policy_log_probs
-
-
-def compute_policy_gradient_loss(
-    policy_log_probs: torch.Tensor,
-    loss_type: str,
-    raw_rewards: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    old_log_probs: torch.Tensor | None = None,
-    cliprange: float | tuple[float, float] | None = None,
-    response_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The per-token loss (B, T) of loss_type, and its per-token metadata: no_baseline -r log p,
-    reinforce_with_baseline -A log p, grpo_clip, gspo, cispo (docs/grpo_family.md). Raises if an
-    input that loss_type needs (LOSS_INPUTS) is None."""
-    given = {
-        "raw_rewards": raw_rewards,
-        "advantages": advantages,
-        "old_log_probs": old_log_probs,
-        "cliprange": cliprange,
-        "response_mask": response_mask,
-    }
-    if loss_type not in LOSS_INPUTS:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(LOSS_INPUTS)}")
-    missing = [name for name in LOSS_INPUTS[loss_type] if given[name] is None]
-    if missing:
-        raise ValueError(f"loss_type {loss_type!r} needs {', '.join(missing)}")
-    if loss_type == "no_baseline":
-        return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
-    if loss_type == "reinforce_with_baseline":
-        return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
-    if loss_type == "gspo":
-        return compute_gspo_loss(
-            advantages, policy_log_probs, old_log_probs, cliprange, response_mask
-        )
-    if loss_type == "cispo":
-        return compute_cispo_loss(advantages, policy_log_probs, old_log_probs, cliprange)
-    return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
-
-
-def grpo_microbatch_train_step(
-    policy_log_probs: torch.Tensor,
-    response_mask: torch.Tensor,
-    gradient_accumulation_steps: int,
-    loss_type: str,
-    raw_rewards: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    old_log_probs: torch.Tensor | None = None,
-    cliprange: float | tuple[float, float] | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CS336's microbatch step; calls backward(). The per-token loss of loss_type, averaged over
-    each response's tokens, then over the microbatch's responses, divided by
-    gradient_accumulation_steps (the microbatches of one optimizer step). Returns the loss
-    (detached) and the per-token metadata. With microbatches of one size, grpo_update's
-    --loss-aggregation sequence_mean gives the same gradient (tests/test_grpo_family.py)."""
-    per_token_loss, metadata = compute_policy_gradient_loss(
-        policy_log_probs,
-        loss_type,
-        raw_rewards,
-        advantages,
-        old_log_probs,
-        cliprange,
-        response_mask,
-    )
-    loss = masked_mean(per_token_loss, response_mask, dim=-1).mean() / gradient_accumulation_steps
-    loss.backward()
-    return loss.detach(), metadata
-
-
-# --- PLUMBING: a draw of questions, generated and scored (same in expert_iter.py, grpo.py, distill.py) ---
-
-
-def generate_responses(
-    llm: LLM, task: data.Task, sampling: dict, n_prompts: int, seed: int, step: int, device: str
-) -> tuple[list[dict], list]:
-    """This step's n_prompts questions for `seed` (a resumed run draws the same) and the engine's
-    sampling["n"] responses to each: (the questions, vLLM's outputs, one per question). Each rank
-    generates its share; every rank gets all."""
-    examples, seeds = task.questions(n_prompts, sampling["n"], seed, step)
-    prompts = [task.prompt(ex) for ex in examples]
-    params = []
-    for ex, first_seed in zip(examples, seeds, strict=True):
-        params.append(SamplingParams(**sampling, stop=task.stop(ex), seed=first_seed))
-    with engine_device(device):
-        outputs = llm.generate(my_share(prompts), my_share(params), use_tqdm=False)
-    return examples, gather(outputs)
-
-
-def score_responses(examples: list[dict], outputs: list) -> list[dict]:
-    """verifiers.score of each response (response k to question j at j G + k): each rank scores
-    the share it generated (code runs in a sandbox); every rank gets all."""
-    responses = []
-    questions = []
-    for ex, output in zip(my_share(examples), my_share(outputs), strict=True):
-        for completion in output.outputs:
-            responses.append(completion.text)
-            questions.append(ex)
-    return gather(verifiers.score_batch(responses, questions))
-
-
-# --- PLUMBING: a frozen model: the KL's reference, distill.py's teacher (same in grpo.py and distill.py) ---
+# --- PLUMBING: a frozen model: the KL's reference, distill.py's teacher (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def load_frozen_model(name: str, device: str):
@@ -1260,71 +1275,7 @@ def load_frozen_model(name: str, device: str):
     return model.to(device).requires_grad_(False)
 
 
-# --- PLUMBING: the rest of CS336's vocabulary, the output layer in chunks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-
-def tokenize_prompt_and_output(
-    prompt_strs: list[str], output_strs: list[str], tokenizer
-) -> dict[str, torch.Tensor]:
-    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
-    response_mask, each (B, T)."""
-    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
-    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = tokenizer.eos_token_id or 0
-    return collate_token_ids(prompt_ids, output_ids, pad_id)
-
-
-def masked_normalize(
-    tensor: torch.Tensor,
-    mask: torch.Tensor,
-    normalize_constant: float,
-    dim: int | None = None,
-) -> torch.Tensor:
-    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
-    return (tensor * mask).sum(dim=dim) / normalize_constant
-
-
-def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
-    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
-
-
-def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
-
-    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
-    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
-    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
-    chunks = []
-    for z in flat.split(chunk_size):
-        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
-    return torch.cat(chunks).reshape(logits.shape[:-1])
-
-
-def chunk_log_probs(
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    head,
-    temperature: float,
-    return_token_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
-    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
-    # float32 even under bf16 autocast
-    logits = head(hidden).float() / temperature  # (n, V)
-    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
-    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
-    if not return_token_entropy:
-        return log_probs, None
-    # last: the backward's recomputation stops before it
-    with torch.no_grad():
-        entropy = compute_entropy(logits)
-    return log_probs, entropy
-
-
-# --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 class LoRALinear(torch.nn.Module):
@@ -1386,7 +1337,7 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     return state
 
 
-# --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: the engine's start, and the check that it follows the trainer (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def engine_device(device: str):
@@ -1442,18 +1393,6 @@ def init_vllm(
         device_ids=[gpu],
         gpu_memory_utilization=gpu_memory_utilization,
     )
-
-
-def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
-    """Copy the trainer's weights into the running engine, and drop its prefix cache: the
-    cached keys and values were computed with the old weights."""
-    dtype = llm.llm_engine.model_config.dtype
-    # a state dict, not named_parameters(): that one leaves out a tied lm_head.weight
-    weights = [(name, t.detach().to(dtype)) for name, t in merged_state_dict(policy).items()]
-    with engine_device(device):
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if not llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
 
 
 def make_probe_prompts(tokenizer, texts: list[str], n_tokens: int = 400) -> list[list[int]]:
@@ -1535,6 +1474,9 @@ def reload_and_check(
     return gap
 
 
+# --- PLUMBING: evaluation through the engine (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_async.py) ---
+
+
 def evaluate(
     llm: LLM,
     policy,
@@ -1592,6 +1534,19 @@ def evaluate(
     return {**metrics, "time/eval": time.time() - t0}
 
 
+def tokenize_prompt_and_output(
+    prompt_strs: list[str], output_strs: list[str], tokenizer
+) -> dict[str, torch.Tensor]:
+    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
+    response_mask, each (B, T)."""
+    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
+    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id or 0
+    return collate_token_ids(prompt_ids, output_ids, pad_id)
+
+
 def log_generations(policy, tokenizer, records: list[dict]) -> list[dict]:
     """The records, each with the trainer's mean token entropy over its response."""
     out = []
@@ -1608,7 +1563,8 @@ def log_generations(policy, tokenizer, records: list[dict]) -> list[dict]:
     return out
 
 
-# --- PLUMBING: run folder, devices, checkpoints, logs, ranks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: run folder, devices, checkpoints, logs (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
 
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {
@@ -1892,12 +1848,19 @@ def timed(metrics: dict, phase: str):
     metrics[key] = metrics.get(key, 0.0) + time.time() - t0
 
 
+# --- PLUMBING: torchrun's ranks: each takes a share, the gradients are summed (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
 # Data parallel under torchrun (docs/distributed.md): every rank holds a whole model and an
 # engine, generates a share of each step's questions and trains a share of each batch's rows.
 # The gradients are summed over the ranks, so the update is the one a single process makes.
 # Alone: rank 0 of 1.
 RANK = int(os.environ.get("RANK", 0))
+
+
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))
+
+
 # under torchrun: a gloo group, and how long a rank waits in it for the others
 RANK_GROUP = {}
 

@@ -55,7 +55,6 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -197,7 +196,7 @@ class Args:
     """under torchrun: how long a rank waits for the others before naming them and stopping"""
 
 
-# --- ALGORITHM, CS336 vocabulary: tokens and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- ALGORITHM: CS336 vocabulary: tokens, log-probs, the output layer in chunks (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def collate_token_ids(
@@ -256,171 +255,40 @@ def get_response_log_probs(
     return out
 
 
-# --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+def chunk_log_probs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head,
+    temperature: float,
+    return_token_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
+    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
+    # float32 even under bf16 autocast
+    logits = head(hidden).float() / temperature  # (n, V)
+    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
+    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
+    if not return_token_entropy:
+        return log_probs, None
+    # last: the backward's recomputation stops before it
+    with torch.no_grad():
+        entropy = compute_entropy(logits)
+    return log_probs, entropy
 
 
-def get_lr(update: int, lr: float, warmup: int, n_updates: int, schedule: str) -> float:
-    """The learning rate of optimizer step `update` (counted from 0) of `n_updates`: linear
-    warmup from 0 over `warmup` steps, then constant, or cosine down to 0 at n_updates."""
-    if update < warmup:
-        return lr * (update / max(1, warmup))
-    if schedule == "constant":
-        return lr
-    progress = (update - warmup) / max(1, n_updates - warmup)
-    return lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
+
+    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
+    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
+    chunks = []
+    for z in flat.split(chunk_size):
+        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
+    return torch.cat(chunks).reshape(logits.shape[:-1])
 
 
-def optimizer_step(
-    policy, optimizer, lr: float, max_grad_norm: float, n_bad_in_a_row: int = 0
-) -> tuple[float, int]:
-    """Clip the gradient's global L2 norm, step AdamW at `lr` and zero the gradient. Returns
-    the norm before clipping and the count of non-finite updates in a row: a non-finite
-    norm (an inf or NaN in the loss) skips the step, so that one bad batch cannot write NaN
-    into every weight, and three in a row stop the run."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
-    if math.isfinite(grad_norm):
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-        n_bad_in_a_row = 0
-    else:
-        n_bad_in_a_row += 1
-        if n_bad_in_a_row >= 3:
-            raise RuntimeError(
-                f"{n_bad_in_a_row} non-finite updates in a row: check the rewards and the lr"
-            )
-        warnings.warn(f"gradient norm {grad_norm} is not finite: update skipped", stacklevel=2)
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, n_bad_in_a_row
-
-
-# --- ALGORITHM: group-normalised advantages (same in grpo.py and distill.py) ---
-
-
-def group_normalize(
-    raw_rewards: torch.Tensor, group_size: int, eps: float, normalize_by_std: bool
-) -> torch.Tensor:
-    """Each reward minus its group's mean, divided by the group's std + eps if normalize_by_std
-    (torch's unbiased std, as CS336, TRL and verl): (B,) -> (B,), rewards i G ... i G + G - 1
-    forming group i. A group of equal rewards gets 0: it adds no gradient. With G = 4:
-        rewards          [1,    0,     0,     0,        1, 1, 1, 1]
-        - group mean     [0.75, -0.25, -0.25, -0.25,    0, 0, 0, 0]
-        / group std 0.5  [1.5,  -0.5,  -0.5,  -0.5,     0, 0, 0, 0]"""
-    grouped = raw_rewards.view(-1, group_size)  # (n_groups, G)
-    advantages = grouped - grouped.mean(dim=1, keepdim=True)
-    if normalize_by_std:
-        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
-    return advantages.reshape(-1)
-
-
-# --- ALGORITHM: GRPO's reward and loss (pure: tests/test_grpo.py checks them by hand) ---
-
-
-def overlong_penalty(
-    n_tokens: torch.Tensor, max_tokens: int, buffer: int, penalty: float
-) -> torch.Tensor:
-    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by `penalty`: 0 up to
-    max_tokens - buffer tokens, then linear down to -penalty at max_tokens (buffer 0: none):
-    (B,) lengths -> (B,)."""
-    return -penalty * ((n_tokens - (max_tokens - buffer)) / max(buffer, 1)).clamp(0, 1)
-
-
-def rollout_rewards(scores: list[dict], outputs: list, args: Args) -> torch.Tensor:
-    """Each response's reward (B,): the verifier's, plus DAPO's overlong penalty on its length
-    (0 unless --overlong-buffer). outputs: vLLM's, one per question, their responses in order."""
-    n_tokens = [len(c.token_ids) for output in outputs for c in output.outputs]
-    penalties = overlong_penalty(
-        torch.tensor(n_tokens), args.max_tokens, args.overlong_buffer, args.overlong_penalty
-    )
-    rewards = [s["reward"] + penalty for s, penalty in zip(scores, penalties.tolist(), strict=True)]
-    return torch.tensor(rewards, dtype=torch.float32)
-
-
-def clip_bounds(cliprange: float | tuple[float, float]) -> tuple[float, float]:
-    """(low, high) of a cliprange given as one float or as (low, high)."""
-    if isinstance(cliprange, int | float):
-        return cliprange, cliprange
-    return cliprange
-
-
-def compute_grpo_clip_loss(
-    advantages: torch.Tensor,
-    policy_log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    cliprange: float | tuple[float, float],
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token clipped surrogate -min(r A, clip(r, 1 - low, 1 + high) A), r = p / p_old:
-    advantages (B, 1) or (B,), log-probs (B, T), cliprange a float or (low, high) (DAPO's
-    clip-higher: (0.2, 0.28)) -> the loss (B, T) and (B, T) metadata: "clipped" where a bound is
-    active (no gradient there), "clipped_high" (A > 0), "clipped_low" (A < 0), the ratio."""
-    low, high = clip_bounds(cliprange)
-    advantages = advantages.reshape(-1, 1)  # (B, 1)
-    ratio = torch.exp(policy_log_probs - old_log_probs)  # (B, T)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - low, 1 + high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
-    is_clipped = clipped < unclipped
-    metadata = {
-        "clipped": is_clipped,
-        "clipped_high": is_clipped & (advantages > 0),
-        "clipped_low": is_clipped & (advantages < 0),
-        "ratio": ratio.detach(),
-    }
-    return loss, metadata
-
-
-def compute_k3_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
-    """k3 estimate of KL(policy || reference) per token (Schulman 2020): exp(d) - d - 1, d =
-    log p_ref - log p, on tokens sampled from the policy: (B, T). Unbiased, >= 0, and 0 exactly
-    where the two agree."""
-    log_ratio = ref_log_probs - policy_log_probs
-    return torch.exp(log_ratio) - log_ratio - 1
-
-
-def engine_importance_weights(
-    old_log_probs: torch.Tensor, engine_log_probs: torch.Tensor, cap: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance sampling of the engine's numerics (as verl): the engine sampled from
-    its own p_engine (bf16 on a GPU), not from p_old. The weight min(p_old / p_engine, cap),
-    detached (B, T), and where the ratio is above the cap (B, T)."""
-    weights = torch.exp(old_log_probs - engine_log_probs).clamp(max=cap).detach()
-    above_cap = old_log_probs - engine_log_probs > math.log(cap)
-    return weights, above_cap
-
-
-# --- ALGORITHM: microbatches, and frozen models' log-probs (same in grpo.py and distill.py) ---
-
-
-def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, device: str):
-    """Yields (rows, their tensors on `device`) in microbatches of `size` rows of like lengths,
-    each cut to its longest row."""
-    rows = sorted(rows, key=lambda i: lengths[i])
-    for start in range(0, len(rows), size):
-        chunk = rows[start : start + size]
-        width = max(lengths[i] for i in chunk)
-        index = torch.tensor(chunk)
-        yield chunk, {k: v[index, :width].to(device) for k, v in tensors.items()}
-
-
-def frozen_log_probs(
-    model, batch: dict, lengths: list[int], rows: list[int], args, autocast
-) -> torch.Tensor:
-    """log p of each label of these rows of a padded batch (n, T) under a frozen model, at
-    args.temperature in args.microbatch_size rows and the trainer's autocast; the other rows
-    stay 0."""
-    device = next(model.parameters()).device
-    log_probs = torch.zeros(batch["labels"].shape, device=device)  # (n, T)
-    for chunk, micro in microbatches(batch, rows, lengths, args.microbatch_size, str(device)):
-        with torch.no_grad(), autocast:
-            out = get_response_log_probs(
-                model, micro["input_ids"], micro["labels"], temperature=args.temperature
-            )
-        width = micro["labels"].shape[1]
-        log_probs[chunk, :width] = out["log_probs"].float()
-    return log_probs
-
-
-# --- ALGORITHM: the tool loop (same in grpo_tools.py and eval.py) ---
+# --- ALGORITHM: the tool loop (eval.py holds the same copy) ---
 
 
 @dataclass
@@ -570,6 +438,231 @@ def tool_metrics(rollouts: list[Rollout], rewards: list[float], prefix: str, nam
         f"{name}_without_call": mean(without_call),
     }
     return {f"{prefix}/{key}": value for key, value in metrics.items()}
+
+
+# --- ALGORITHM: a draw of questions, generated through the tool loop and scored ---
+
+
+@dataclass
+class Group:
+    """A question's responses, shaped like vLLM's RequestOutput where grpo.py reads one."""
+
+    prompt_token_ids: list[int]
+    outputs: list[Rollout]
+
+
+def generate_tool_responses(
+    llm: LLM,
+    task: data.Task,
+    sampling: dict,
+    n_prompts: int,
+    seed: int,
+    step: int,
+    device: str,
+    args: Args,
+) -> tuple[list[dict], list[Group]]:
+    """This step's n_prompts questions for `seed` (a resumed run draws the same) and
+    sampling["n"] responses to each through the tool loop: (the questions, a Group per
+    question). Each rank generates its share; every rank gets all."""
+    examples, seeds = task.questions(n_prompts, sampling["n"], seed, step)
+    examples_ids = task.tokenizer([task.prompt(ex) for ex in examples])["input_ids"]
+    group_size = sampling["n"]
+    mine = my_share(list(range(len(examples))))
+    # one request per response: a group's responses call the tool at different turns
+    rows = [(j, k) for j in mine for k in range(group_size)]
+    with engine_device(device):
+        rollouts = generate_with_tools(
+            llm,
+            [examples_ids[j] for j, _ in rows],
+            [task.tool(examples[j]) for j, _ in rows],
+            [task.stop(examples[j]) for j, _ in rows],
+            # distinct per (seed, step, question, sample): data.py spaces them by group_size
+            [seeds[j] + k for j, k in rows],
+            sampling,
+            task.tokenizer,
+            args,
+        )
+    groups = []
+    for n, j in enumerate(mine):
+        responses = rollouts[n * group_size : (n + 1) * group_size]
+        groups.append(Group(examples_ids[j], responses))
+    return examples, gather(groups)
+
+
+def score_responses(examples: list[dict], outputs: list) -> list[dict]:
+    """verifiers.score of each response (response k to question j at j G + k): each rank scores
+    the share it generated (code runs in a sandbox); every rank gets all."""
+    responses = []
+    questions = []
+    for ex, output in zip(my_share(examples), my_share(outputs), strict=True):
+        for completion in output.outputs:
+            responses.append(completion.text)
+            questions.append(ex)
+    return gather(verifiers.score_batch(responses, questions))
+
+
+# --- ALGORITHM: group-normalised advantages (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
+def group_normalize(
+    raw_rewards: torch.Tensor, group_size: int, eps: float, normalize_by_std: bool
+) -> torch.Tensor:
+    """Each reward minus its group's mean, divided by the group's std + eps if normalize_by_std
+    (torch's unbiased std, as CS336, TRL and verl): (B,) -> (B,), rewards i G ... i G + G - 1
+    forming group i. A group of equal rewards gets 0: it adds no gradient. With G = 4:
+        rewards          [1,    0,     0,     0,        1, 1, 1, 1]
+        - group mean     [0.75, -0.25, -0.25, -0.25,    0, 0, 0, 0]
+        / group std 0.5  [1.5,  -0.5,  -0.5,  -0.5,     0, 0, 0, 0]"""
+    grouped = raw_rewards.view(-1, group_size)  # (n_groups, G)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_by_std:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
+    return advantages.reshape(-1)
+
+
+# --- ALGORITHM: GRPO's reward and loss (pure: tests/test_grpo.py checks them by hand) (same in grpo.py, grpo_family.py, grpo_tools.py, grpo_async.py) ---
+
+
+def overlong_penalty(
+    n_tokens: torch.Tensor, max_tokens: int, buffer: int, penalty: float
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by `penalty`: 0 up to
+    max_tokens - buffer tokens, then linear down to -penalty at max_tokens (buffer 0: none):
+    (B,) lengths -> (B,)."""
+    return -penalty * ((n_tokens - (max_tokens - buffer)) / max(buffer, 1)).clamp(0, 1)
+
+
+def rollout_rewards(scores: list[dict], outputs: list, args: Args) -> torch.Tensor:
+    """Each response's reward (B,): the verifier's, plus DAPO's overlong penalty on its length
+    (0 unless --overlong-buffer). outputs: vLLM's, one per question, their responses in order."""
+    n_tokens = [len(c.token_ids) for output in outputs for c in output.outputs]
+    penalties = overlong_penalty(
+        torch.tensor(n_tokens), args.max_tokens, args.overlong_buffer, args.overlong_penalty
+    )
+    rewards = [s["reward"] + penalty for s, penalty in zip(scores, penalties.tolist(), strict=True)]
+    return torch.tensor(rewards, dtype=torch.float32)
+
+
+def clip_bounds(cliprange: float | tuple[float, float]) -> tuple[float, float]:
+    """(low, high) of a cliprange given as one float or as (low, high)."""
+    if isinstance(cliprange, int | float):
+        return cliprange, cliprange
+    return cliprange
+
+
+def compute_grpo_clip_loss(
+    advantages: torch.Tensor,
+    policy_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    cliprange: float | tuple[float, float],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped surrogate -min(r A, clip(r, 1 - low, 1 + high) A), r = p / p_old:
+    advantages (B, 1) or (B,), log-probs (B, T), cliprange a float or (low, high) (DAPO's
+    clip-higher: (0.2, 0.28)) -> the loss (B, T) and (B, T) metadata: "clipped" where a bound is
+    active (no gradient there), "clipped_high" (A > 0), "clipped_low" (A < 0), the ratio."""
+    low, high = clip_bounds(cliprange)
+    advantages = advantages.reshape(-1, 1)  # (B, 1)
+    ratio = torch.exp(policy_log_probs - old_log_probs)  # (B, T)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - low, 1 + high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    is_clipped = clipped < unclipped
+    metadata = {
+        "clipped": is_clipped,
+        "clipped_high": is_clipped & (advantages > 0),
+        "clipped_low": is_clipped & (advantages < 0),
+        "ratio": ratio.detach(),
+    }
+    return loss, metadata
+
+
+def compute_k3_kl(policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """k3 estimate of KL(policy || reference) per token (Schulman 2020): exp(d) - d - 1, d =
+    log p_ref - log p, on tokens sampled from the policy: (B, T). Unbiased, >= 0, and 0 exactly
+    where the two agree."""
+    log_ratio = ref_log_probs - policy_log_probs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def engine_importance_weights(
+    old_log_probs: torch.Tensor, engine_log_probs: torch.Tensor, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling of the engine's numerics (as verl): the engine sampled from
+    its own p_engine (bf16 on a GPU), not from p_old. The weight min(p_old / p_engine, cap),
+    detached (B, T), and where the ratio is above the cap (B, T)."""
+    weights = torch.exp(old_log_probs - engine_log_probs).clamp(max=cap).detach()
+    above_cap = old_log_probs - engine_log_probs > math.log(cap)
+    return weights, above_cap
+
+
+# --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
+def get_lr(update: int, lr: float, warmup: int, n_updates: int, schedule: str) -> float:
+    """The learning rate of optimizer step `update` (counted from 0) of `n_updates`: linear
+    warmup from 0 over `warmup` steps, then constant, or cosine down to 0 at n_updates."""
+    if update < warmup:
+        return lr * (update / max(1, warmup))
+    if schedule == "constant":
+        return lr
+    progress = (update - warmup) / max(1, n_updates - warmup)
+    return lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def optimizer_step(
+    policy, optimizer, lr: float, max_grad_norm: float, n_bad_in_a_row: int = 0
+) -> tuple[float, int]:
+    """Clip the gradient's global L2 norm, step AdamW at `lr` and zero the gradient. Returns
+    the norm before clipping and the count of non-finite updates in a row: a non-finite
+    norm (an inf or NaN in the loss) skips the step, so that one bad batch cannot write NaN
+    into every weight, and three in a row stop the run."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
+    if math.isfinite(grad_norm):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        n_bad_in_a_row = 0
+    else:
+        n_bad_in_a_row += 1
+        if n_bad_in_a_row >= 3:
+            raise RuntimeError(
+                f"{n_bad_in_a_row} non-finite updates in a row: check the rewards and the lr"
+            )
+        warnings.warn(f"gradient norm {grad_norm} is not finite: update skipped", stacklevel=2)
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, n_bad_in_a_row
+
+
+# --- ALGORITHM: microbatches, and frozen models' log-probs (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
+def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, device: str):
+    """Yields (rows, their tensors on `device`) in microbatches of `size` rows of like lengths,
+    each cut to its longest row."""
+    rows = sorted(rows, key=lambda i: lengths[i])
+    for start in range(0, len(rows), size):
+        chunk = rows[start : start + size]
+        width = max(lengths[i] for i in chunk)
+        index = torch.tensor(chunk)
+        yield chunk, {k: v[index, :width].to(device) for k, v in tensors.items()}
+
+
+def frozen_log_probs(
+    model, batch: dict, lengths: list[int], rows: list[int], args, autocast
+) -> torch.Tensor:
+    """log p of each label of these rows of a padded batch (n, T) under a frozen model, at
+    args.temperature in args.microbatch_size rows and the trainer's autocast; the other rows
+    stay 0."""
+    device = next(model.parameters()).device
+    log_probs = torch.zeros(batch["labels"].shape, device=device)  # (n, T)
+    for chunk, micro in microbatches(batch, rows, lengths, args.microbatch_size, str(device)):
+        with torch.no_grad(), autocast:
+            out = get_response_log_probs(
+                model, micro["input_ids"], micro["labels"], temperature=args.temperature
+            )
+        width = micro["labels"].shape[1]
+        log_probs[chunk, :width] = out["log_probs"].float()
+    return log_probs
 
 
 # --- ALGORITHM: the GRPO update ---
@@ -733,6 +826,33 @@ def grpo_update(
             if key in totals:
                 metrics[name] = totals[key] / max(totals["tokens"], 1)
     return metrics, n_bad_in_a_row
+
+
+# per-token statistics of the update -> their train/ metric, a mean over the response tokens
+TOKEN_MEANS = {
+    "entropy": "train/entropy",
+    "clipped": "train/clip_fraction",
+    "clipped_low": "train/clip_fraction_low",
+    "clipped_high": "train/clip_fraction_high",
+    "kl": "train/kl",
+    "engine_gap": "train/engine_logprob_gap",
+    "above_is_cap": "train/frac_above_is_cap",
+}
+
+
+# --- ALGORITHM: the reload: the trainer's weights into the engine (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
+def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
+    """Copy the trainer's weights into the running engine, and drop its prefix cache: the
+    cached keys and values were computed with the old weights."""
+    dtype = llm.llm_engine.model_config.dtype
+    # a state dict, not named_parameters(): that one leaves out a tied lm_head.weight
+    weights = [(name, t.detach().to(dtype)) for name, t in merged_state_dict(policy).items()]
+    with engine_device(device):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
 
 
 def main(args: Args) -> Path:
@@ -923,7 +1043,20 @@ def main(args: Args) -> Path:
     return run_dir
 
 
-# --- PLUMBING: grpo.py's own: the arguments, the step's metrics, rollouts.jsonl ---
+# --- PLUMBING: grpo_tools.py's own: its arguments ---
+
+
+def check_tool_args(args: Args) -> None:
+    """Raise ValueError for inconsistent tool arguments, before an engine starts."""
+    if args.max_tool_calls < 1:
+        raise ValueError("max_tool_calls must be at least 1: without a tool, run grpo.py")
+    if args.max_tool_output_tokens < 1:
+        raise ValueError("max_tool_output_tokens must be at least 1")
+    if args.tool_timeout_s <= 0:
+        raise ValueError("tool_timeout_s must be > 0")
+
+
+# --- PLUMBING: the arguments ---
 
 
 def check_args(args: Args) -> None:
@@ -963,16 +1096,34 @@ def check_args(args: Args) -> None:
             raise ValueError(message)
 
 
-# per-token statistics of the update -> their train/ metric, a mean over the response tokens
-TOKEN_MEANS = {
-    "entropy": "train/entropy",
-    "clipped": "train/clip_fraction",
-    "clipped_low": "train/clip_fraction_low",
-    "clipped_high": "train/clip_fraction_high",
-    "kl": "train/kl",
-    "engine_gap": "train/engine_logprob_gap",
-    "above_is_cap": "train/frac_above_is_cap",
-}
+# grpo_family.py's flags (docs/grpo_family.md): named here, so that grpo.py says where they went
+FAMILY_FLAGS = [
+    "loss-type",
+    "loss-aggregation",
+    "normalize-by-std",
+    "drop-zero-variance-groups",
+    "dynamic-sampling",
+    "max-draws",
+    "mask-truncated",
+]
+
+
+def refuse_family_flags(argv: list[str]) -> None:
+    """Stop with a message naming grpo_family.py if argv sets one of its flags (tyro would say
+    only that the flag is unknown)."""
+    given = []
+    for arg in argv:
+        flag = arg.split("=")[0].replace("_", "-").removeprefix("--").removeprefix("no-")
+        if flag in FAMILY_FLAGS:
+            given.append(arg)
+    if given:
+        raise SystemExit(
+            f"{' '.join(given)}: a flag of grpo_family.py, GRPO's research family;"
+            f" {Path(__file__).name} trains with the clipped surrogate and a token mean"
+        )
+
+
+# --- PLUMBING: the step's metrics, rollouts.jsonl (same in grpo.py, grpo_family.py, grpo_tools.py, grpo_async.py) ---
 
 
 def reward_statistics(
@@ -1043,102 +1194,7 @@ def write_rollouts(
     append_jsonl(path, records)
 
 
-# grpo_family.py's flags (docs/grpo_family.md): named here, so that grpo.py says where they went
-FAMILY_FLAGS = [
-    "loss-type",
-    "loss-aggregation",
-    "normalize-by-std",
-    "drop-zero-variance-groups",
-    "dynamic-sampling",
-    "max-draws",
-    "mask-truncated",
-]
-
-
-def refuse_family_flags(argv: list[str]) -> None:
-    """Stop with a message naming grpo_family.py if argv sets one of its flags (tyro would say
-    only that the flag is unknown)."""
-    given = []
-    for arg in argv:
-        flag = arg.split("=")[0].replace("_", "-").removeprefix("--").removeprefix("no-")
-        if flag in FAMILY_FLAGS:
-            given.append(arg)
-    if given:
-        raise SystemExit(
-            f"{' '.join(given)}: a flag of grpo_family.py, GRPO's research family;"
-            f" {Path(__file__).name} trains with the clipped surrogate and a token mean"
-        )
-
-
-# --- PLUMBING: grpo_tools.py's own: its arguments, its evaluation through the tool loop ---
-
-
-def check_tool_args(args: Args) -> None:
-    """Raise ValueError for inconsistent tool arguments, before an engine starts."""
-    if args.max_tool_calls < 1:
-        raise ValueError("max_tool_calls must be at least 1: without a tool, run grpo.py")
-    if args.max_tool_output_tokens < 1:
-        raise ValueError("max_tool_output_tokens must be at least 1")
-    if args.tool_timeout_s <= 0:
-        raise ValueError("tool_timeout_s must be > 0")
-
-
-def evaluate_with_tools(
-    llm: LLM, task: data.Task, args, vllm_device: str, run_dir: Path, step: int
-) -> dict:
-    """evaluate's greedy evaluation, through the tool loop (evaluate, in the shared block below,
-    is left unused here): metrics per dataset and in all, the tool's (tool_metrics), and a few
-    responses turn by turn to generations.jsonl. Each rank evaluates its share."""
-    t0 = time.time()
-    examples = [ex for name in task.names for ex in task.evals[name]]
-    examples = my_share(examples)
-    prompts = [task.prompt(ex) for ex in examples]
-    # the stop string stays in the output: the verifier reads it
-    sampling = dict(
-        temperature=0.0, max_tokens=args.eval_max_tokens, include_stop_str_in_output=True
-    )
-    with engine_device(vllm_device):
-        completions = generate_with_tools(
-            llm,
-            task.tokenizer(prompts)["input_ids"],
-            [task.tool(ex) for ex in examples],
-            [task.stop(ex) for ex in examples],
-            None,
-            sampling,
-            task.tokenizer,
-            args,
-        )
-    rewards = verifiers.score_batch([c.text for c in completions], examples)
-    records = []
-    for ex, prompt, c, reward in zip(examples, prompts, completions, rewards, strict=True):
-        records.append(
-            {
-                "dataset": ex["dataset"],
-                "id": ex["id"],
-                "prompt": prompt,
-                "response": c.text,
-                "turns": c.turns,
-                "answer": ex["answer"],
-                "reward": reward,
-                "n_tokens": len(c.token_ids),
-                "n_tool_tokens": sum(c.is_tool),
-                "truncated": c.finish_reason == "length",
-            }
-        )
-    records = gather(records)
-    completions = gather(completions)
-    samples = records[: args.n_log_generations]
-    append_jsonl(run_dir / "generations.jsonl", [{"step": step, **s} for s in samples])
-    metrics = data.eval_metrics(records)
-    accuracies = [r["reward"]["reward"] for r in records]
-    metrics.update(tool_metrics(completions, accuracies, "eval", "accuracy"))
-    accuracy = metrics["eval/accuracy"]
-    calls = metrics["eval/tool_calls_per_response"]
-    print(f"step {step:5d} | eval accuracy {accuracy:.3f} | tool calls {calls:.2f}")
-    return {**metrics, "time/eval": time.time() - t0}
-
-
-# --- PLUMBING: a group's prompt through the model once (--share-prompt; bench/shared_prompt.py) ---
+# --- PLUMBING: a group's prompt through the model once (--share-prompt; bench/shared_prompt.py) (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def prompt_microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, device: str):
@@ -1229,160 +1285,7 @@ def shared_prompt_log_probs(
     return result
 
 
-# --- CS336's GRPO functions that the loop does not call: the contract (tests/test_cs336_contract.py) ---
-
-
-def compute_group_normalized_rewards(
-    reward_fn: Callable[[str, dict], dict],
-    rollout_responses: list[str],
-    repeated_ground_truths: list,
-    group_size: int,
-    advantage_eps: float,
-    normalize_by_std: bool,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """CS336's: score each response with reward_fn(response, ground_truth), a dict with "reward"
-    (verifiers.score(response, example) is one), and normalise the rewards within their groups:
-    (advantages (B,), raw_rewards (B,), reward_statistics). The loop does the same in two parts:
-    each rank scores its share, then group_normalize."""
-    if len(rollout_responses) % group_size != 0:
-        raise ValueError(
-            f"{len(rollout_responses)} responses do not make whole groups of {group_size}"
-        )
-    reward_dicts = []
-    for response, ground_truth in zip(rollout_responses, repeated_ground_truths, strict=True):
-        reward_dicts.append(reward_fn(response, ground_truth))
-    raw_rewards = torch.tensor([d["reward"] for d in reward_dicts], dtype=torch.float32)  # (B,)
-    advantages = group_normalize(raw_rewards, group_size, advantage_eps, normalize_by_std)
-    return advantages, raw_rewards, reward_statistics(reward_dicts, raw_rewards, group_size)
-
-
-def compute_naive_policy_gradient_loss(
-    raw_rewards_or_advantages: torch.Tensor, policy_log_probs: torch.Tensor
-) -> torch.Tensor:
-    """Per-token REINFORCE loss -A log p: rewards or advantages (B, 1) or (B,), log-probs (B, T)
-    -> (B, T)."""
-    return -raw_rewards_or_advantages.reshape(-1, 1) * policy_log_probs
-
-
-def compute_policy_gradient_loss(
-    policy_log_probs: torch.Tensor,
-    loss_type: str,
-    raw_rewards: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    old_log_probs: torch.Tensor | None = None,
-    cliprange: float | tuple[float, float] | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The per-token loss (B, T) of loss_type, and its per-token metadata: no_baseline -r log p,
-    reinforce_with_baseline -A log p, grpo_clip (the loop calls compute_grpo_clip_loss itself;
-    grpo_family.py adds GSPO and CISPO). Raises if an input that loss_type needs is None."""
-    given = {
-        "raw_rewards": raw_rewards,
-        "advantages": advantages,
-        "old_log_probs": old_log_probs,
-        "cliprange": cliprange,
-    }
-    needs = {
-        "no_baseline": ["raw_rewards"],
-        "reinforce_with_baseline": ["advantages"],
-        "grpo_clip": ["advantages", "old_log_probs", "cliprange"],
-    }
-    if loss_type not in needs:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose from {', '.join(needs)}")
-    missing = [name for name in needs[loss_type] if given[name] is None]
-    if missing:
-        raise ValueError(f"loss_type {loss_type!r} needs {', '.join(missing)}")
-    if loss_type == "no_baseline":
-        return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
-    if loss_type == "reinforce_with_baseline":
-        return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
-    return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
-
-
-def grpo_microbatch_train_step(
-    policy_log_probs: torch.Tensor,
-    response_mask: torch.Tensor,
-    gradient_accumulation_steps: int,
-    loss_type: str,
-    raw_rewards: torch.Tensor | None = None,
-    advantages: torch.Tensor | None = None,
-    old_log_probs: torch.Tensor | None = None,
-    cliprange: float | tuple[float, float] | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CS336's microbatch step; calls backward(). The per-token loss of loss_type, averaged over
-    each response's tokens, then over the microbatch's responses, divided by
-    gradient_accumulation_steps (the microbatches of one optimizer step). Returns the loss
-    (detached) and the per-token metadata. grpo_family.py's --loss-aggregation sequence_mean
-    gives the same gradient with microbatches of one size (tests/test_grpo_family.py)."""
-    per_token_loss, metadata = compute_policy_gradient_loss(
-        policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
-    )
-    loss = masked_mean(per_token_loss, response_mask, dim=-1).mean() / gradient_accumulation_steps
-    loss.backward()
-    return loss.detach(), metadata
-
-
-# --- PLUMBING: a draw of questions, generated through the tool loop and scored ---
-
-
-@dataclass
-class Group:
-    """A question's responses, shaped like vLLM's RequestOutput where grpo.py reads one."""
-
-    prompt_token_ids: list[int]
-    outputs: list[Rollout]
-
-
-def generate_tool_responses(
-    llm: LLM,
-    task: data.Task,
-    sampling: dict,
-    n_prompts: int,
-    seed: int,
-    step: int,
-    device: str,
-    args: Args,
-) -> tuple[list[dict], list[Group]]:
-    """This step's n_prompts questions for `seed` (a resumed run draws the same) and
-    sampling["n"] responses to each through the tool loop: (the questions, a Group per
-    question). Each rank generates its share; every rank gets all."""
-    examples, seeds = task.questions(n_prompts, sampling["n"], seed, step)
-    examples_ids = task.tokenizer([task.prompt(ex) for ex in examples])["input_ids"]
-    group_size = sampling["n"]
-    mine = my_share(list(range(len(examples))))
-    # one request per response: a group's responses call the tool at different turns
-    rows = [(j, k) for j in mine for k in range(group_size)]
-    with engine_device(device):
-        rollouts = generate_with_tools(
-            llm,
-            [examples_ids[j] for j, _ in rows],
-            [task.tool(examples[j]) for j, _ in rows],
-            [task.stop(examples[j]) for j, _ in rows],
-            # distinct per (seed, step, question, sample): data.py spaces them by group_size
-            [seeds[j] + k for j, k in rows],
-            sampling,
-            task.tokenizer,
-            args,
-        )
-    groups = []
-    for n, j in enumerate(mine):
-        responses = rollouts[n * group_size : (n + 1) * group_size]
-        groups.append(Group(examples_ids[j], responses))
-    return examples, gather(groups)
-
-
-def score_responses(examples: list[dict], outputs: list) -> list[dict]:
-    """verifiers.score of each response (response k to question j at j G + k): each rank scores
-    the share it generated (code runs in a sandbox); every rank gets all."""
-    responses = []
-    questions = []
-    for ex, output in zip(my_share(examples), my_share(outputs), strict=True):
-        for completion in output.outputs:
-            responses.append(completion.text)
-            questions.append(ex)
-    return gather(verifiers.score_batch(responses, questions))
-
-
-# --- PLUMBING: a frozen model: the KL's reference, distill.py's teacher (same in grpo.py and distill.py) ---
+# --- PLUMBING: a frozen model: the KL's reference, distill.py's teacher (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def load_frozen_model(name: str, device: str):
@@ -1392,71 +1295,7 @@ def load_frozen_model(name: str, device: str):
     return model.to(device).requires_grad_(False)
 
 
-# --- PLUMBING: the rest of CS336's vocabulary, the output layer in chunks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-
-def tokenize_prompt_and_output(
-    prompt_strs: list[str], output_strs: list[str], tokenizer
-) -> dict[str, torch.Tensor]:
-    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
-    response_mask, each (B, T)."""
-    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
-    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = tokenizer.eos_token_id or 0
-    return collate_token_ids(prompt_ids, output_ids, pad_id)
-
-
-def masked_normalize(
-    tensor: torch.Tensor,
-    mask: torch.Tensor,
-    normalize_constant: float,
-    dim: int | None = None,
-) -> torch.Tensor:
-    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
-    return (tensor * mask).sum(dim=dim) / normalize_constant
-
-
-def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
-    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
-
-
-def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
-
-    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
-    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
-    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
-    chunks = []
-    for z in flat.split(chunk_size):
-        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
-    return torch.cat(chunks).reshape(logits.shape[:-1])
-
-
-def chunk_log_probs(
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    head,
-    temperature: float,
-    return_token_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
-    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
-    # float32 even under bf16 autocast
-    logits = head(hidden).float() / temperature  # (n, V)
-    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
-    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
-    if not return_token_entropy:
-        return log_probs, None
-    # last: the backward's recomputation stops before it
-    with torch.no_grad():
-        entropy = compute_entropy(logits)
-    return log_probs, entropy
-
-
-# --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 class LoRALinear(torch.nn.Module):
@@ -1518,7 +1357,7 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     return state
 
 
-# --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: the engine's start, and the check that it follows the trainer (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def engine_device(device: str):
@@ -1574,18 +1413,6 @@ def init_vllm(
         device_ids=[gpu],
         gpu_memory_utilization=gpu_memory_utilization,
     )
-
-
-def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
-    """Copy the trainer's weights into the running engine, and drop its prefix cache: the
-    cached keys and values were computed with the old weights."""
-    dtype = llm.llm_engine.model_config.dtype
-    # a state dict, not named_parameters(): that one leaves out a tied lm_head.weight
-    weights = [(name, t.detach().to(dtype)) for name, t in merged_state_dict(policy).items()]
-    with engine_device(device):
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if not llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
 
 
 def make_probe_prompts(tokenizer, texts: list[str], n_tokens: int = 400) -> list[list[int]]:
@@ -1667,36 +1494,33 @@ def reload_and_check(
     return gap
 
 
-def evaluate(
-    llm: LLM,
-    policy,
-    tokenizer,
-    task: data.Task,
-    args,
-    vllm_device: str,
-    run_dir: Path,
-    step: int,
+# --- PLUMBING: evaluation through the engine and the tool loop ---
+
+
+def evaluate_with_tools(
+    llm: LLM, task: data.Task, args, vllm_device: str, run_dir: Path, step: int
 ) -> dict:
-    """Greedy responses to every eval example, scored: metrics per dataset and in all, and
-    a few responses to generations.jsonl. Each rank evaluates its share."""
+    """grpo.py's evaluate, through the tool loop: metrics per dataset and in all, the tool's (tool_metrics), and a few
+    responses turn by turn to generations.jsonl. Each rank evaluates its share."""
     t0 = time.time()
     examples = [ex for name in task.names for ex in task.evals[name]]
     examples = my_share(examples)
     prompts = [task.prompt(ex) for ex in examples]
-    params = []
-    for ex in examples:
-        # the stop string stays in the output: the verifier reads it
-        params.append(
-            SamplingParams(
-                temperature=0.0,
-                max_tokens=args.eval_max_tokens,
-                stop=task.stop(ex),
-                include_stop_str_in_output=True,
-            )
-        )
+    # the stop string stays in the output: the verifier reads it
+    sampling = dict(
+        temperature=0.0, max_tokens=args.eval_max_tokens, include_stop_str_in_output=True
+    )
     with engine_device(vllm_device):
-        outputs = llm.generate(prompts, params, use_tqdm=True)
-    completions = [output.outputs[0] for output in outputs]
+        completions = generate_with_tools(
+            llm,
+            task.tokenizer(prompts)["input_ids"],
+            [task.tool(ex) for ex in examples],
+            [task.stop(ex) for ex in examples],
+            None,
+            sampling,
+            task.tokenizer,
+            args,
+        )
     rewards = verifiers.score_batch([c.text for c in completions], examples)
     records = []
     for ex, prompt, c, reward in zip(examples, prompts, completions, rewards, strict=True):
@@ -1706,41 +1530,29 @@ def evaluate(
                 "id": ex["id"],
                 "prompt": prompt,
                 "response": c.text,
+                "turns": c.turns,
                 "answer": ex["answer"],
                 "reward": reward,
                 "n_tokens": len(c.token_ids),
+                "n_tool_tokens": sum(c.is_tool),
                 "truncated": c.finish_reason == "length",
             }
         )
     records = gather(records)
-    samples = log_generations(policy, tokenizer, records[: args.n_log_generations])
+    completions = gather(completions)
+    samples = records[: args.n_log_generations]
     append_jsonl(run_dir / "generations.jsonl", [{"step": step, **s} for s in samples])
     metrics = data.eval_metrics(records)
-    if samples:
-        entropies = [s["mean_token_entropy"] for s in samples]
-        metrics["eval/sample_token_entropy"] = float(np.mean(entropies))
+    accuracies = [r["reward"]["reward"] for r in records]
+    metrics.update(tool_metrics(completions, accuracies, "eval", "accuracy"))
     accuracy = metrics["eval/accuracy"]
-    print(f"step {step:5d} | eval accuracy {accuracy:.3f} format {metrics['eval/format_rate']:.3f}")
+    calls = metrics["eval/tool_calls_per_response"]
+    print(f"step {step:5d} | eval accuracy {accuracy:.3f} | tool calls {calls:.2f}")
     return {**metrics, "time/eval": time.time() - t0}
 
 
-def log_generations(policy, tokenizer, records: list[dict]) -> list[dict]:
-    """The records, each with the trainer's mean token entropy over its response."""
-    out = []
-    for record in records:
-        batch = tokenize_prompt_and_output([record["prompt"]], [record["response"]], tokenizer)
-        batch = {k: v.to(policy.device) for k, v in batch.items()}
-        with torch.no_grad():
-            entropy = get_response_log_probs(
-                policy, batch["input_ids"], batch["labels"], return_token_entropy=True
-            )["token_entropy"]
-        n_tokens = max(batch["response_mask"].sum().item(), 1)
-        mean_entropy = masked_normalize(entropy, batch["response_mask"], n_tokens).item()
-        out.append({**record, "mean_token_entropy": mean_entropy})
-    return out
+# --- PLUMBING: run folder, devices, checkpoints, logs (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
-
-# --- PLUMBING: run folder, devices, checkpoints, logs, ranks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
 
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {
@@ -2024,12 +1836,19 @@ def timed(metrics: dict, phase: str):
     metrics[key] = metrics.get(key, 0.0) + time.time() - t0
 
 
+# --- PLUMBING: torchrun's ranks: each takes a share, the gradients are summed (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
 # Data parallel under torchrun (docs/distributed.md): every rank holds a whole model and an
 # engine, generates a share of each step's questions and trains a share of each batch's rows.
 # The gradients are summed over the ranks, so the update is the one a single process makes.
 # Alone: rank 0 of 1.
 RANK = int(os.environ.get("RANK", 0))
+
+
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))
+
+
 # under torchrun: a gloo group, and how long a rank waits in it for the others
 RANK_GROUP = {}
 

@@ -149,7 +149,7 @@ class Args:
     """under torchrun: how long a rank waits for the others before naming them and stopping"""
 
 
-# --- ALGORITHM, CS336 vocabulary: tokens and log-probs (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- ALGORITHM: CS336 vocabulary: tokens, log-probs, the output layer in chunks (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def collate_token_ids(
@@ -208,7 +208,53 @@ def get_response_log_probs(
     return out
 
 
-# --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+def chunk_log_probs(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    head,
+    temperature: float,
+    return_token_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
+    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
+    # float32 even under bf16 autocast
+    logits = head(hidden).float() / temperature  # (n, V)
+    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
+    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
+    if not return_token_entropy:
+        return log_probs, None
+    # last: the backward's recomputation stops before it
+    with torch.no_grad():
+        entropy = compute_entropy(logits)
+    return log_probs, entropy
+
+
+def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
+
+    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
+    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
+    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
+    chunks = []
+    for z in flat.split(chunk_size):
+        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
+    return torch.cat(chunks).reshape(logits.shape[:-1])
+
+
+# --- ALGORITHM: CS336 vocabulary: a masked sum (the SFT and distillation losses, logged entropies) (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_async.py) ---
+
+
+def masked_normalize(
+    tensor: torch.Tensor,
+    mask: torch.Tensor,
+    normalize_constant: float,
+    dim: int | None = None,
+) -> torch.Tensor:
+    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
+    return (tensor * mask).sum(dim=dim) / normalize_constant
+
+
+# --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def get_lr(update: int, lr: float, warmup: int, n_updates: int, schedule: str) -> float:
@@ -246,7 +292,7 @@ def optimizer_step(
     return grad_norm, n_bad_in_a_row
 
 
-# --- ALGORITHM: the SFT loss (same in sft.py and expert_iter.py) ---
+# --- ALGORITHM: the SFT loss (same in sft.py, expert_iter.py) ---
 
 
 def sft_microbatch_train_step(
@@ -342,6 +388,21 @@ def sft_batch_train_step(
         "entropy_sum": sums[1].item(),
         "n_response_tokens": n_tokens,
     }
+
+
+# --- ALGORITHM: the reload: the trainer's weights into the engine (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
+def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
+    """Copy the trainer's weights into the running engine, and drop its prefix cache: the
+    cached keys and values were computed with the old weights."""
+    dtype = llm.llm_engine.model_config.dtype
+    # a state dict, not named_parameters(): that one leaves out a tied lm_head.weight
+    weights = [(name, t.detach().to(dtype)) for name, t in merged_state_dict(policy).items()]
+    with engine_device(device):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
 
 
 def main(args: Args) -> Path:
@@ -483,71 +544,7 @@ def count_longer_than(tokenizer, pairs: list[dict], max_seq_len: int) -> int:
     return sum(a + b > max_seq_len for a, b in zip(n_prompt, n_response, strict=True))
 
 
-# --- PLUMBING: the rest of CS336's vocabulary, the output layer in chunks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
-
-
-def tokenize_prompt_and_output(
-    prompt_strs: list[str], output_strs: list[str], tokenizer
-) -> dict[str, torch.Tensor]:
-    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
-    response_mask, each (B, T)."""
-    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
-    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = tokenizer.eos_token_id or 0
-    return collate_token_ids(prompt_ids, output_ids, pad_id)
-
-
-def masked_normalize(
-    tensor: torch.Tensor,
-    mask: torch.Tensor,
-    normalize_constant: float,
-    dim: int | None = None,
-) -> torch.Tensor:
-    """Sum of `tensor` where mask is 1, over `dim` (all dims if None), / normalize_constant."""
-    return (tensor * mask).sum(dim=dim) / normalize_constant
-
-
-def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `tensor` over the elements where mask is 1, along `dim` (all dims if None)."""
-    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
-
-
-def compute_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
-    """Entropy of each next-token distribution: (B, T, V) logits -> (B, T).
-
-    H = logsumexp(z) - sum_v softmax(z)_v z_v never takes the log of an underflowed
-    probability. In chunks of positions: at once it would make two more (B, T, V) tensors."""
-    flat = logits.reshape(-1, logits.shape[-1])  # (B T, V)
-    chunks = []
-    for z in flat.split(chunk_size):
-        chunks.append(torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
-    return torch.cat(chunks).reshape(logits.shape[:-1])
-
-
-def chunk_log_probs(
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    head,
-    temperature: float,
-    return_token_entropy: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk of get_response_log_probs: hidden states (n, H) and labels (n,) -> each
-    label's log-prob (n,), and the entropy (n,) without a gradient if asked (else None)."""
-    # float32 even under bf16 autocast
-    logits = head(hidden).float() / temperature  # (n, V)
-    log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
-    log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
-    if not return_token_entropy:
-        return log_probs, None
-    # last: the backward's recomputation stops before it
-    with torch.no_grad():
-        entropy = compute_entropy(logits)
-    return log_probs, entropy
-
-
-# --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 class LoRALinear(torch.nn.Module):
@@ -609,7 +606,7 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     return state
 
 
-# --- PLUMBING: the vLLM engine, weight reloads, evaluation (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: the engine's start, and the check that it follows the trainer (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
 def engine_device(device: str):
@@ -665,18 +662,6 @@ def init_vllm(
         device_ids=[gpu],
         gpu_memory_utilization=gpu_memory_utilization,
     )
-
-
-def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
-    """Copy the trainer's weights into the running engine, and drop its prefix cache: the
-    cached keys and values were computed with the old weights."""
-    dtype = llm.llm_engine.model_config.dtype
-    # a state dict, not named_parameters(): that one leaves out a tied lm_head.weight
-    weights = [(name, t.detach().to(dtype)) for name, t in merged_state_dict(policy).items()]
-    with engine_device(device):
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if not llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
 
 
 def make_probe_prompts(tokenizer, texts: list[str], n_tokens: int = 400) -> list[list[int]]:
@@ -758,6 +743,9 @@ def reload_and_check(
     return gap
 
 
+# --- PLUMBING: evaluation through the engine (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_async.py) ---
+
+
 def evaluate(
     llm: LLM,
     policy,
@@ -815,6 +803,19 @@ def evaluate(
     return {**metrics, "time/eval": time.time() - t0}
 
 
+def tokenize_prompt_and_output(
+    prompt_strs: list[str], output_strs: list[str], tokenizer
+) -> dict[str, torch.Tensor]:
+    """Tokenize prompts and outputs apart, then collate_token_ids: input_ids, labels and
+    response_mask, each (B, T)."""
+    prompt_ids = tokenizer(prompt_strs, add_special_tokens=False)["input_ids"]
+    output_ids = tokenizer(output_strs, add_special_tokens=False)["input_ids"]
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id or 0
+    return collate_token_ids(prompt_ids, output_ids, pad_id)
+
+
 def log_generations(policy, tokenizer, records: list[dict]) -> list[dict]:
     """The records, each with the trainer's mean token entropy over its response."""
     out = []
@@ -831,7 +832,8 @@ def log_generations(policy, tokenizer, records: list[dict]) -> list[dict]:
     return out
 
 
-# --- PLUMBING: run folder, devices, checkpoints, logs, ranks (same in sft.py, expert_iter.py, grpo.py, distill.py) ---
+# --- PLUMBING: run folder, devices, checkpoints, logs (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
 
 # Arguments a resumed run may change: where it runs and what it logs, not what it computes.
 RESUME_MAY_CHANGE = {
@@ -1115,12 +1117,19 @@ def timed(metrics: dict, phase: str):
     metrics[key] = metrics.get(key, 0.0) + time.time() - t0
 
 
+# --- PLUMBING: torchrun's ranks: each takes a share, the gradients are summed (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
 # Data parallel under torchrun (docs/distributed.md): every rank holds a whole model and an
 # engine, generates a share of each step's questions and trains a share of each batch's rows.
 # The gradients are summed over the ranks, so the update is the one a single process makes.
 # Alone: rank 0 of 1.
 RANK = int(os.environ.get("RANK", 0))
+
+
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))
+
+
 # under torchrun: a gloo group, and how long a rank waits in it for the others
 RANK_GROUP = {}
 

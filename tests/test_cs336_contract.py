@@ -1,7 +1,10 @@
 """The CS336 assignment-5 vocabulary, pinned: every name with its parameters, in the scripts
-that carry it, so that a suite written against CS336's signatures runs against ours and no
-change can drop a name quietly. Extra parameters are allowed only after CS336's, with defaults.
-The numbers of each function are checked in the script's own tests; masked_mean's here."""
+whose runs call it, or in tests/adapters.py where a signature serves the course's scaffolding
+rather than our loop (mapped onto the loop's functions, as CS336's own tests/adapters.py does), so
+that a suite written against CS336's signatures runs against ours and no change can drop a name
+quietly. Extra parameters are allowed only after CS336's, with defaults. The numbers of each
+function are checked in the script's own tests (the adapters' in tests/test_grpo.py); masked_mean's
+here."""
 
 import importlib
 import inspect
@@ -19,7 +22,7 @@ CONTRACT = {
         EVERY_SCRIPT,
     ),
     "masked_normalize": (["tensor", "mask", "normalize_constant", "dim"], EVERY_SCRIPT),
-    "masked_mean": (["tensor", "mask", "dim"], EVERY_SCRIPT),
+    "masked_mean": (["tensor", "mask", "dim"], ["grpo_family", "adapters"]),
     "log_generations": (["policy", "tokenizer", "records"], EVERY_SCRIPT),
     "sft_microbatch_train_step": (
         ["policy_log_probs", "response_mask", "gradient_accumulation_steps", "normalize_constant"],
@@ -34,11 +37,11 @@ CONTRACT = {
             "advantage_eps",
             "normalize_by_std",
         ],
-        ["grpo"],
+        ["adapters"],
     ),
     "compute_naive_policy_gradient_loss": (
         ["raw_rewards_or_advantages", "policy_log_probs"],
-        ["grpo"],
+        ["grpo_family", "adapters"],
     ),
     "compute_grpo_clip_loss": (
         ["advantages", "policy_log_probs", "old_log_probs", "cliprange"],
@@ -53,7 +56,7 @@ CONTRACT = {
             "old_log_probs",
             "cliprange",
         ],
-        ["grpo"],
+        ["grpo_family", "adapters"],
     ),
     "grpo_microbatch_train_step": (
         [
@@ -66,7 +69,7 @@ CONTRACT = {
             "old_log_probs",
             "cliprange",
         ],
-        ["grpo"],
+        ["adapters"],
     ),
 }
 CASES = [(name, script) for name, (_, scripts) in CONTRACT.items() for script in scripts]
@@ -83,9 +86,9 @@ def test_cs336_name_and_parameters(name, script):
     assert not extra, f"{script}.{name}: parameters beyond CS336's need defaults: {extra}"
 
 
-@pytest.mark.parametrize("script", EVERY_SCRIPT)
-def test_masked_mean_by_hand(script):
-    masked_mean = importlib.import_module(script).masked_mean
+def test_masked_mean_by_hand():
+    from adapters import masked_mean
+
     tensor = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1, 1, 0], [0, 0, 1]])
     # (1 + 2 + 6) / 3 over all; rows: (1 + 2) / 2 and 6 / 1; columns: 1 / 1, 2 / 1, 6 / 1

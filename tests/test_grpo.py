@@ -27,6 +27,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from adapters import (
+    compute_group_normalized_rewards,
+    compute_naive_policy_gradient_loss,
+    compute_policy_gradient_loss,
+    grpo_microbatch_train_step,
+)
 from conftest import interrupted_at_call
 from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
@@ -34,16 +40,7 @@ from vllm.inputs import TokensPrompt
 import data
 import grpo
 import verifiers
-from grpo import (
-    Args,
-    collate_token_ids,
-    compute_group_normalized_rewards,
-    compute_grpo_clip_loss,
-    compute_k3_kl,
-    compute_naive_policy_gradient_loss,
-    compute_policy_gradient_loss,
-    grpo_microbatch_train_step,
-)
+from grpo import Args, collate_token_ids, compute_grpo_clip_loss, compute_k3_kl
 
 # --- compute_group_normalized_rewards ---
 

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from adapters import grpo_microbatch_train_step
 from conftest import interrupted_at_call
 
 import grpo_family
@@ -25,7 +26,6 @@ from grpo_family import (
     compute_k3_kl,
     compute_policy_gradient_loss,
     groups_with_signal,
-    grpo_microbatch_train_step,
 )
 
 # --- the family's per-token losses ---

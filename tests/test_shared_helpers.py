@@ -25,6 +25,17 @@ SCRIPTS = [
 # they are, and may rewrite a function of its parent (the rewrite is its lesson: `diff grpo.py
 # grpo_family.py`); every other function two scripts define is the same copy.
 VARIANTS = {"grpo_tools.py": "grpo.py", "grpo_family.py": "grpo.py", "grpo_async.py": "grpo.py"}
+# The functions of its parent that each variant rewrites, by name: its lesson. Any other copy that
+# drifts fails, and so does a rewrite that is no longer one (a stale name here).
+REWRITES = {
+    "grpo_tools.py": set(),
+    "grpo_family.py": {"check_args", "collate_rollouts", "grpo_update"},
+    "grpo_async.py": {"check_args", "grpo_update"},
+}
+# The blocks of its parent a variant replaces whole, by words of their banner: grpo_tools.py
+# evaluates through the tool loop (evaluate_with_tools), so neither grpo.py's evaluation nor the
+# masked sum of its logged entropies is in it.
+REPLACED = {"grpo_tools.py": ["evaluation through the engine (", "a masked sum"]}
 # A banner at any indentation: the steps inside main that every script shares are checked too.
 BANNER = re.compile(r"^\s*# --- .*---$")
 
@@ -44,6 +55,16 @@ def blocks(script: str) -> dict[str, str]:
     return out
 
 
+def block_body(script: str, title: str) -> str | None:
+    """The block of `script` whose banner is `title` but for what its parentheses say (a copy's
+    banner names the other file), without its banner line; None if it has none."""
+    topic = title.split(" (")[0]
+    for other, text in blocks(script).items():
+        if other.split(" (")[0] == topic and ("(same in" in other or "holds the same" in other):
+            return text.split("\n", 1)[1]
+    return None
+
+
 def shared_blocks() -> list[tuple[str, list[str]]]:
     """(banner, the scripts it names) for every block whose banner says "(same in a, b and c)"."""
     found = {}
@@ -52,6 +73,10 @@ def shared_blocks() -> list[tuple[str, list[str]]]:
             named = re.search(r"\(same in ([^)]*)\)", title)
             if named:
                 found[title] = re.findall(r"\w+\.py", named.group(1))
+            # a block copied from a file that is not a training script (eval.py's tool loop)
+            copied = re.search(r"\((\w+\.py) holds the same copy\)", title)
+            if copied:
+                found[title] = [script, copied.group(1)]
     return sorted(found.items())
 
 
@@ -79,7 +104,7 @@ def test_there_are_shared_blocks():
 
 @pytest.mark.parametrize(("title", "named"), shared_blocks())
 def test_shared_block_is_identical_in_every_script_it_names(title, named):
-    texts = {script: blocks(script).get(title) for script in named}
+    texts = {script: block_body(script, title) for script in named}
     missing = [script for script, text in texts.items() if text is None]
     assert not missing, f"{title} is missing from {missing}"
     first = texts[named[0]]
@@ -93,6 +118,9 @@ def test_a_variant_carries_its_parents_shared_blocks(variant, parent):
     learning rate, the engine, the run folder) is in the variant, character for character."""
     theirs = blocks(variant)
     for title, named in shared_blocks():
+        if any(word in title for word in REPLACED.get(variant, [])):
+            assert title not in theirs, f"{variant} carries {title}, which it says it replaces"
+            continue
         if parent in named and len(named) >= 4:
             assert theirs.get(title) == blocks(parent)[title], f"{variant}: {title}"
 
@@ -123,18 +151,23 @@ def test_every_function_two_scripts_define_is_an_identical_copy(a, b):
     assert not different, f"{a} and {b} define different {different}"
 
 
-def test_a_variant_rewrites_few_functions():
-    """A rung adds one idea: it rewrites a handful of its parent's functions, not the script."""
-    for variant in VARIANTS:
-        assert len(rewritten(variant)) <= 12, (variant, sorted(rewritten(variant)))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_variant_rewrites_only_the_functions_it_names(variant):
+    """A rung adds one idea: it rewrites the few functions of its parent listed in REWRITES, and
+    every other function it shares with its parent is the parent's copy."""
+    assert rewritten(variant) == REWRITES[variant]
 
 
 NAMED = ["evaluate", "log_generations", "reload_and_check", "resolve_devices", "resume_from"]
+# grpo_tools.py evaluates through the tool loop (evaluate_with_tools), and logs no entropies
+EVALUATES_OTHERWISE = {"grpo_tools.py": {"evaluate", "log_generations"}}
 
 
 @pytest.mark.parametrize("name", NAMED)
 def test_named_helpers_are_in_every_script(name):
-    assert all(name in functions(script) for script in SCRIPTS)
+    for script in SCRIPTS:
+        if name not in EVALUATES_OTHERWISE.get(script, set()):
+            assert name in functions(script), (script, name)
 
 
 @pytest.mark.parametrize("script", [*SCRIPTS, "eval.py"])
