@@ -1500,8 +1500,9 @@ def reload_and_check(
 def evaluate_with_tools(
     llm: LLM, task: data.Task, args, vllm_device: str, run_dir: Path, step: int
 ) -> dict:
-    """grpo.py's evaluate, through the tool loop: metrics per dataset and in all, the tool's (tool_metrics), and a few
-    responses turn by turn to generations.jsonl. Each rank evaluates its share."""
+    """grpo.py's evaluate, through the tool loop: metrics per dataset and in all, the tool's
+    (tool_metrics), and a few responses turn by turn to generations.jsonl. Each rank evaluates
+    its share."""
     t0 = time.time()
     examples = [ex for name in task.names for ex in task.evals[name]]
     examples = my_share(examples)
