@@ -35,12 +35,15 @@ dropped silently.
 
 import json
 import math
+import os
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+import verifiers
 
 SPLITS = {
     "gsm8k": ("train", "val", "test"),
@@ -1403,6 +1406,9 @@ class Task:
     data_dir: str | None = None
     tokenizer: object = None
     tools: bool = False
+    judge: verifiers.Judge | None = None
+    """--judge-model's verifiers.Judge: score_batch(..., judge=task.judge) grades the train examples
+    it marked"""
 
     def prompt(self, example: dict) -> str:
         template = self.templates[example["dataset"]]
@@ -1486,9 +1492,122 @@ def load_task(args, tokenizer=None, n_questions: int = 0, train: bool = True) ->
         evals[name] = [{**ex, "dataset": name} for ex in eval_examples]
     # grpo_tools.py's --max-tool-calls, eval.py's --tools
     tools = getattr(args, "max_tool_calls", 0) > 0 or getattr(args, "tools", False)
+    # --judge-model: the train examples are graded by the judge (blended with the rule below
+    # --judge-weight 1); evaluation keeps the rule, the number a run is compared by
+    judge = make_judge(args)
+    if judge is not None:
+        rubric_file = read_rubric_file(getattr(args, "judge_rubric", None))
+        weight = getattr(args, "judge_weight", 1.0)
+        for ex in examples:
+            ex["judge"] = {"rubric": judge_rubric(ex, rubric_file), "weight": weight}
     return Task(
-        names, weights, templates, examples, sizes, orders, evals, args.data_dir, tokenizer, tools
+        names,
+        weights,
+        templates,
+        examples,
+        sizes,
+        orders,
+        evals,
+        args.data_dir,
+        tokenizer,
+        tools,
+        judge,
     )
+
+
+# --- A judge as a reward (verifiers.Judge): rubrics, and the judge of a script's --judge-* flags ---
+
+# A rubric per verifier: what the judge is asked to check. "{answer}" is replaced by the example's
+# gold answer where it is text (a reference-guided judge: it need not solve the problem itself).
+JUDGE_RUBRICS = {
+    "gsm8k": (
+        "The response solves the problem and its final answer equals the reference answer, "
+        "{answer}. A wrong, missing or hedged final answer scores 0."
+    ),
+    "math": (
+        "The response solves the problem and its final answer is mathematically equal to the "
+        "reference answer, {answer}. A wrong, missing or hedged final answer scores 0."
+    ),
+    "synthetic": (
+        "The response solves the word problem and its final answer equals the reference answer, "
+        "{answer}. A wrong or missing final answer scores 0."
+    ),
+    "code": (
+        "The response is one correct and complete Python function that does what the task asks "
+        "and would pass its tests. Code that is wrong, incomplete or missing scores 0."
+    ),
+    "ifeval": (
+        "The response does what the task asks and follows every instruction in it exactly "
+        "(length, format, sections, words to use or avoid, case, punctuation, language). Score 1 "
+        "only if every instruction is followed, 0 if none is, the share followed otherwise."
+    ),
+}
+
+
+def judge_rubric(example: dict, rubric_file: str | None = None) -> str:
+    """The rubric an example is judged by: its own "rubric" field, else --judge-rubric's file,
+    else the default of its verifier (JUDGE_RUBRICS); "{answer}" filled with a text gold."""
+    rubric = example.get("rubric") or rubric_file or JUDGE_RUBRICS[example["verifier"]]
+    if isinstance(example.get("answer"), str):
+        rubric = rubric.replace("{answer}", example["answer"])
+    return rubric
+
+
+def read_rubric_file(path: str | None) -> str | None:
+    """--judge-rubric: a text file that holds one rubric for every example (None: none)."""
+    if path is None:
+        return None
+    if not Path(path).is_file() or not Path(path).read_text(encoding="utf-8").strip():
+        raise ValueError(f"--judge-rubric {path!r} is not a file with a rubric in it")
+    return Path(path).read_text(encoding="utf-8").strip()
+
+
+def make_judge(args) -> verifiers.Judge | None:
+    """The judge of args' --judge-* flags (None without --judge-model), its server checked: it
+    answers, takes the key and serves the model. A bad flag raises ValueError naming it, before
+    any engine starts. The key is read from the variable --judge-api-key-env names, never from a
+    file."""
+    model = getattr(args, "judge_model", None)
+    base_url = getattr(args, "judge_base_url", None)
+    if model is None and base_url is None:
+        return None
+    if model is None or base_url is None:
+        raise ValueError("--judge-model and --judge-base-url go together: give both or neither")
+    weight = getattr(args, "judge_weight", 1.0)
+    if not 0 < weight <= 1:
+        raise ValueError(f"--judge-weight must be in (0, 1] (1: the judge alone), got {weight}")
+    concurrency = getattr(args, "judge_concurrency", 8)
+    timeout_s = getattr(args, "judge_timeout_s", 60.0)
+    if concurrency < 1 or timeout_s <= 0:
+        raise ValueError(
+            f"need --judge-concurrency >= 1 and --judge-timeout-s > 0, got {concurrency}, {timeout_s}"
+        )
+    price = list(getattr(args, "judge_price_per_mtok", []))
+    if len(price) not in (0, 2) or any(p < 0 for p in price):
+        raise ValueError(
+            f"--judge-price-per-mtok takes two prices, in and out, in $ per million tokens: {price}"
+        )
+    read_rubric_file(getattr(args, "judge_rubric", None))
+    key_env = getattr(args, "judge_api_key_env", "JUDGE_API_KEY")
+    # unset: no key is sent (a local vllm serve needs none); a server that wants one says so below
+    key = os.environ.get(key_env) if key_env else None
+    judge = verifiers.Judge(
+        base_url,
+        model,
+        api_key=key,
+        concurrency=concurrency,
+        timeout_s=timeout_s,
+        price_per_mtok=price,
+        max_tokens=getattr(args, "judge_max_tokens", 32),
+        structured=getattr(args, "judge_structured", True),
+    )
+    try:
+        judge.check_server()
+    except ValueError as error:
+        raise ValueError(
+            f"{error} (--judge-base-url, --judge-model; the key: ${key_env})"
+        ) from None
+    return judge
 
 
 def eval_metrics(records: list[dict]) -> dict:

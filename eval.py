@@ -143,6 +143,26 @@ class Args:
     resume: str | None = None
     """a results folder of an --api-base run: keep its finished problems, ask again for the
     others"""
+    # --- a judge beside the verifier: how often does it agree with the rule? ---
+    judge_base_url: str | None = None
+    """grade every sample also by the judge model at this OpenAI-compatible URL (e.g.
+    http://127.0.0.1:8001/v1) and compare its verdicts with the verifier's (docs/eval.md, "How good
+    is a judge?")"""
+    judge_model: str | None = None
+    """the judge server's name of its model (required with --judge-base-url)"""
+    judge_api_key_env: str = "JUDGE_API_KEY"
+    """the environment variable that holds the judge's key (unset: no key is sent)"""
+    judge_rubric: str | None = None
+    """a text file with the rubric for every problem (None: the dataset's, data.JUDGE_RUBRICS)"""
+    judge_concurrency: int = 8
+    """judge calls in flight"""
+    judge_timeout_s: float = 60.0
+    """seconds a judge call may take before it is retried"""
+    judge_structured: bool = True
+    """ask for the verdict as structured output (response_format); off, or refused by the server:
+    plain text, parsed as strictly"""
+    judge_threshold: float = 0.5
+    """a verdict at or above this counts as "right" against the verifier's reward of 1"""
     # --- output ---
     save_sft_pairs: str | None = None
     """write every sample the verifier accepts (reward 1) to this JSONL file, as sft.py --sft-file
@@ -312,11 +332,52 @@ def format_table(metrics: dict) -> str:
         is_rate = is_rate and not key.endswith("response_length")
         # tool calls per response, tool tokens per generated token
         is_rate = is_rate and "_per_" not in key
+        # the judge's kappa, seconds and dollars
+        is_rate = is_rate and not key.endswith(("kappa", "seconds", "cost_usd"))
         if is_rate:
             lines.append(f"{key:<{width}} {100 * value:8.2f}%")
         else:
             lines.append(f"{key:<{width}} {value:9.6g}")
     return "\n".join(lines)
+
+
+# --- a judge against the verifier: pure functions of the paired verdicts ---
+
+
+def confusion_table(judge_right: list[bool], rule_right: list[bool]) -> dict:
+    """Counts of the four pairs of verdicts on the same samples: both say right, only the judge,
+    only the rule, neither."""
+    pairs = list(zip(judge_right, rule_right, strict=True))
+    return {
+        "both_right": sum(j and r for j, r in pairs),
+        "judge_only": sum(j and not r for j, r in pairs),
+        "rule_only": sum(r and not j for j, r in pairs),
+        "both_wrong": sum(not j and not r for j, r in pairs),
+    }
+
+
+def cohen_kappa(table: dict) -> float | None:
+    """Cohen's kappa of a confusion_table: (p_o - p_e) / (1 - p_e), the agreement p_o beyond the
+    p_e that two raters with these rates of "right" would reach by chance. 1: always agree; 0: no
+    better than chance. None where p_e = 1 (both raters always say the same one thing).
+    Example: 20, 5, 10, 15 of 50: p_o = 0.7, p_e = (25 x 30 + 25 x 20) / 50^2 = 0.5, kappa 0.4."""
+    n = sum(table.values())
+    judge_right = table["both_right"] + table["judge_only"]
+    rule_right = table["both_right"] + table["rule_only"]
+    p_o = (table["both_right"] + table["both_wrong"]) / n
+    p_e = (judge_right * rule_right + (n - judge_right) * (n - rule_right)) / n**2
+    return None if p_e == 1 else (p_o - p_e) / (1 - p_e)
+
+
+def format_confusion(table: dict) -> str:
+    """The table as rows of the judge's verdict and columns of the rule's."""
+    return "\n".join(
+        [
+            f"{'':<14} {'rule: right':>12} {'rule: wrong':>12}",
+            f"{'judge: right':<14} {table['both_right']:>12} {table['judge_only']:>12}",
+            f"{'judge: wrong':<14} {table['rule_only']:>12} {table['both_wrong']:>12}",
+        ]
+    )
 
 
 # --- ALGORITHM: the tool loop (same in grpo_tools.py and eval.py) ---
@@ -909,9 +970,54 @@ def generate_through_server(
     return records, metrics
 
 
+def judge_samples(judge, args: Args, records: list[dict], examples: list[dict], run_dir: Path):
+    """Every sample graded by the judge as well (its cache in run_dir: --resume pays no call
+    twice), its verdicts written to run_dir/judge.jsonl beside the rule's; returns the judge/
+    metrics (the confusion table, agreement and kappa over the samples it gave a verdict on; its
+    calls, failures and seconds) and the table."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    judge.open_cache(run_dir)
+    by_id = {example["id"]: {"dataset": args.dataset, **example} for example in examples}
+    rubric_file = data.read_rubric_file(args.judge_rubric)
+    items = []
+    rows = []
+    for record in records:
+        example = by_id[record["id"]]
+        rubric = data.judge_rubric(example, rubric_file)
+        samples = zip(record["responses"], record["rewards"], strict=True)
+        for j, (response, reward) in enumerate(samples):
+            items.append((example["prompt"], rubric, response))
+            rows.append({"id": record["id"], "sample": j, "rule": reward["reward"]})
+    verdicts = judge.grade_all(items)
+    with open(run_dir / "judge.jsonl", "w", encoding="utf-8") as f:
+        for row, verdict in zip(rows, verdicts, strict=True):
+            row["judge"] = None if verdict["judge_failed"] else verdict["judge_reward"]
+            row["error"] = verdict.get("judge_error")
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    # a failure is no verdict: counted, and left out of the table
+    graded = [row for row in rows if row["judge"] is not None]
+    judge_right = [row["judge"] >= args.judge_threshold for row in graded]
+    table = confusion_table(judge_right, [row["rule"] == 1 for row in graded])
+    metrics = {f"judge/{key}": value for key, value in table.items()}
+    metrics["judge/n_graded"] = len(graded)
+    metrics["judge/n_failed"] = len(rows) - len(graded)
+    if graded:
+        metrics["judge/agreement"] = (table["both_right"] + table["both_wrong"]) / len(graded)
+        metrics["judge/kappa"] = cohen_kappa(table)
+        metrics["judge/score_mean"] = float(np.mean([row["judge"] for row in graded]))
+    # null, not NaN: summary.json is strict JSON
+    metrics = {key: value for key, value in metrics.items() if value is not None}
+    stats = judge.take_stats()
+    metrics.update({key: value for key, value in stats.items() if key != "judge/failures"})
+    failures = [row["error"] for row in rows if row["error"]]
+    if failures:
+        print(f"the judge failed {len(failures)} times; the first: {failures[0]}")
+    return metrics, table
+
+
 def write_results(run_dir: Path, args: Args, records: list[dict], metrics: dict) -> None:
     """summary.json, and samples.jsonl unless it grew as problems finished (--api-base)."""
-    run_dir.mkdir(parents=True, exist_ok=bool(args.api_base))
+    run_dir.mkdir(parents=True, exist_ok=bool(args.api_base or args.judge_model))
     if not args.api_base:
         with open(run_dir / "samples.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
@@ -951,6 +1057,8 @@ def main(args: Args) -> Path:
     # 1. Check the arguments and load the data: a mistake fails in seconds, before the engine.
     validate(args)
     examples, shots = load_examples(args)
+    # the judge's flags and server checked before the engine starts; None without --judge-model
+    judge = data.make_judge(args)
 
     # 2. Generate n responses per problem (a local engine, or a server) and score them.
     # the folder's name gives the shot count: gsm8k_kshot8
@@ -968,7 +1076,13 @@ def main(args: Args) -> Path:
         records, times = evaluate(llm, args, examples, shots)
         metrics = {**summarize(records, args.k), "time/engine_start_s": engine_start_s, **times}
 
-    # 3. Metrics, files, table.
+    # 3. The judge on the same samples (--judge-model): its verdicts against the verifier's.
+    table = None
+    if judge is not None:
+        judge_metrics, table = judge_samples(judge, args, records, examples, run_dir)
+        metrics.update(judge_metrics)
+
+    # 4. Metrics, files, table.
     write_results(run_dir, args, records, metrics)
     if args.save_sft_pairs:
         n_pairs = write_sft_pairs(
@@ -982,6 +1096,9 @@ def main(args: Args) -> Path:
         f"T={args.temperature}"
     )
     print(format_table(metrics))
+    if table is not None:
+        print(f"{args.judge_model} against the verifier (verdict >= {args.judge_threshold}: right)")
+        print(format_confusion(table))
     print(f"wrote {run_dir}/samples.jsonl and summary.json")
     return run_dir
 
