@@ -24,8 +24,10 @@
    `dataset_templates`, `eval_split`, `load_mixture` and `mixture_questions_and_seeds` (the
    questions of a training step, drawn by weight from (seed, step) alone).
 6. What a training script calls: `load_task(args)`, a `Task` (its prompts, stop strings, the
-   questions of a step, per-dataset metrics), `eval_metrics`, and for SFT `sft_pairs` and
-   `batch_order`.
+   questions of a step, per-dataset metrics, and with --judge-model its judge), `eval_metrics`,
+   and for SFT `sft_pairs` and `batch_order`.
+7. A judge as a reward: `JUDGE_RUBRICS` (a rubric per verifier), `judge_rubric` and `make_judge`
+   (the verifiers.Judge of a script's --judge-* flags).
 
 data_dir=None reads the Hugging Face hub; data_dir="../shared/data" (the data root, one folder per
 dataset: see `dataset_dir`) reads the local JSONL copies. Both run the same checks: a bad row
@@ -1588,6 +1590,9 @@ def make_judge(args) -> verifiers.Judge | None:
             f"--judge-price-per-mtok takes two prices, in and out, in $ per million tokens: {price}"
         )
     read_rubric_file(getattr(args, "judge_rubric", None))
+    structured = getattr(args, "judge_structured", "choice")
+    if structured not in verifiers.STRUCTURED:
+        raise ValueError(f"--judge-structured {structured!r}: one of {list(verifiers.STRUCTURED)}")
     key_env = getattr(args, "judge_api_key_env", "JUDGE_API_KEY")
     # unset: no key is sent (a local vllm serve needs none); a server that wants one says so below
     key = os.environ.get(key_env) if key_env else None
@@ -1599,7 +1604,7 @@ def make_judge(args) -> verifiers.Judge | None:
         timeout_s=timeout_s,
         price_per_mtok=price,
         max_tokens=getattr(args, "judge_max_tokens", 32),
-        structured=getattr(args, "judge_structured", True),
+        structured=structured,
     )
     try:
         judge.check_server()

@@ -158,9 +158,9 @@ class Args:
     """judge calls in flight"""
     judge_timeout_s: float = 60.0
     """seconds a judge call may take before it is retried"""
-    judge_structured: bool = True
-    """ask for the verdict as structured output (response_format); off, or refused by the server:
-    plain text, parsed as strictly"""
+    judge_structured: str = "choice"
+    """how the verdict is asked for: choice (vLLM's structured_outputs), json_schema (OpenAI's
+    response_format) or none (plain text); a server that refuses one gets the next"""
     judge_threshold: float = 0.5
     """a verdict at or above this counts as "right" against the verifier's reward of 1"""
     # --- output ---

@@ -7,14 +7,15 @@ says "banana", else 0 (any other rubric: 1 if the span has no comma, else 0). It
 small model would be: an order to "output 1" written OUTSIDE the span is obeyed (so a response that
 closes the span early wins, unless the markers are neutralised), and a line "Score: ..." inside the
 span is copied back as the reply (so a lenient parser would read the forged score). It honours
-response_format: its verdicts come as {"score": "..."}. A request longer than MAX_CHARS is refused
+response_format (its verdicts come as {"score": "..."}) and vLLM's structured_outputs choice (the
+label alone), but does not constrain what it writes. A request longer than MAX_CHARS is refused
 with HTTP 400, as vLLM refuses a prompt past its context.
 
 Faults: `server.script` is a list consumed one per request (then `server.always`, then none):
 "429" (with Retry-After `server.retry_after`), "500", "hang" (sleeps `server.hang_s`), "reset" (the
 connection dropped), "garbage" (200, not JSON), "no choices", "refuse" (a refusal message), "chatter"
-(a reply that is no verdict), "no format" (HTTP 400: response_format unsupported, as OpenAI words
-it). The server counts requests, verdicts and the most requests in flight at once."""
+(a reply that is no verdict), "no format" (HTTP 400 naming the structured-output parameter the
+request used, as OpenAI refuses vLLM's structured_outputs). The server counts requests, verdicts and the most requests in flight at once."""
 
 import json
 import socket
@@ -124,9 +125,12 @@ class JudgeHandler(BaseHTTPRequestHandler):
             return self.reply(200, b'{"choices": [{"message": ')
         if fault == "no choices":
             return self.reply(200, json.dumps({"choices": [], "usage": {}}).encode())
-        if fault == "no format" and "response_format" in body:
-            error = {"error": {"message": "Invalid parameter: 'response_format' is not supported"}}
-            return self.reply(400, json.dumps(error).encode())
+        for parameter in ("structured_outputs", "response_format"):
+            if fault == "no format" and parameter in body:
+                error = {
+                    "error": {"message": f"Unrecognized request argument supplied: {parameter}"}
+                }
+                return self.reply(400, json.dumps(error).encode())
         user = body["messages"][-1]["content"]
         if len(user) > MAX_CHARS:
             error = {"error": {"message": f"This model's maximum context length is {MAX_CHARS}"}}

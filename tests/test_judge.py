@@ -74,7 +74,7 @@ def outcome(verdict: dict) -> str:
     )
 
 
-@pytest.mark.parametrize("structured", [True, False])
+@pytest.mark.parametrize("structured", list(verifiers.STRUCTURED))
 def test_red_team_table_on_the_scripted_judge(structured):
     server = JudgeServer()
     judge = judge_for(server, structured=structured)
@@ -84,7 +84,8 @@ def test_red_team_table_on_the_scripted_judge(structured):
     stats = judge.take_stats()
     assert stats["judge/failures"] == 2 and stats["judge/calls"] == len(RED_TEAM)
     # the structured request was made, and answered in its form
-    assert ("response_format" in server.bodies[0]) == structured
+    assert ("structured_outputs" in server.bodies[0]) == (structured == "choice")
+    assert ("response_format" in server.bodies[0]) == (structured == "json_schema")
 
 
 def test_the_injection_rows_would_win_without_the_neutralised_markers():
@@ -105,19 +106,21 @@ def test_the_injection_rows_would_win_without_the_neutralised_markers():
 @pytest.mark.parametrize(
     ("reply", "structured", "score"),
     [
-        ("1", False, 1.0),
-        (" 0.25\n", False, 0.25),
-        ("0.3", False, None),  # not a label
-        ("1.0", False, None),
-        ("Score: 1", False, None),
-        ("1 or 0", False, None),
-        ("", False, None),
-        ('{"score": "0.75"}', True, 0.75),
-        ('{"score": 1}', True, None),  # a number, not the label
-        ('{"score": "1", "why": "x"}', True, None),
-        ('{"score": "1"} trailing', True, None),
-        ("1", True, None),  # structured asked, plain given
-        ("[1]", True, None),
+        ("1", "none", 1.0),
+        (" 0.25\n", "none", 0.25),
+        ("0.5", "choice", 0.5),
+        ("0.3", "none", None),  # not a label
+        ("1.0", "choice", None),
+        ("Score: 1", "none", None),
+        ("1 or 0", "none", None),
+        ("", "choice", None),
+        ('{"score": "0.75"}', "json_schema", 0.75),
+        ('{"score": 1}', "json_schema", None),  # a number, not the label
+        ('{"score": "1", "why": "x"}', "json_schema", None),
+        ('{"score": "1"} trailing', "json_schema", None),
+        ("1", "json_schema", None),  # a schema asked, plain given
+        ('{"score": "1"}', "none", None),
+        ("[1]", "json_schema", None),
     ],
 )
 def test_verdicts_are_parsed_strictly(reply, structured, score):
@@ -141,6 +144,7 @@ def test_verdicts_are_parsed_strictly(reply, structured, score):
         (["refuse"], 1, True, "refused: I can't grade that."),
         (["chatter"], 1, True, "no verdict in the reply 'Sure! I would give this response a 1.'"),
         (["no format"], 2, False, None),
+        (["no format", "no format"], 3, False, None),
     ],
 )
 def test_every_fault_is_retried_or_counted(script, calls, failed, error):
@@ -157,8 +161,11 @@ def test_every_fault_is_retried_or_counted(script, calls, failed, error):
         assert error in verdict["judge_error"]
     else:
         assert verdict["judge_reward"] == 1.0 and "judge_error" not in verdict
-    if script == ["no format"]:  # the server has no structured output: plain text from now on
-        assert not judge.structured and "response_format" not in server.bodies[-1]
+    # a server without vLLM's structured output: OpenAI's, from now on; without either, plain text
+    if script == ["no format"]:
+        assert judge.structured == "json_schema" and "response_format" in server.bodies[-1]
+    if script == ["no format", "no format"]:
+        assert judge.structured == "none" and "response_format" not in server.bodies[-1]
 
 
 def test_retry_after_is_honoured_and_a_long_one_is_a_failure():
@@ -314,6 +321,7 @@ def test_load_task_marks_the_train_examples_and_keeps_the_evals_rule_only(tmp_pa
         (dict(judge_timeout_s=0.0), "--judge-timeout-s > 0"),
         (dict(judge_price_per_mtok=[1.0]), "--judge-price-per-mtok takes two prices"),
         (dict(judge_rubric="/no/such/rubric.txt"), "--judge-rubric '/no/such/rubric.txt'"),
+        (dict(judge_structured="json"), "--judge-structured 'json': one of"),
         (dict(judge_model="other"), "does not serve --judge-model 'other'"),
     ],
 )
@@ -476,7 +484,8 @@ def vllm_judge(tiny_model_dir):
 
 
 def test_the_real_judge_structured_always_gives_a_verdict(vllm_judge):
-    """With response_format, vLLM decodes under the schema: even a random model's reply parses."""
+    """With vLLM's structured_outputs choice, its decoder can only write a label: even a random
+    model's reply parses (into an arbitrary verdict: a random judge, as eval.py's kappa shows)."""
     judge = verifiers.Judge(vllm_judge, "tiny", concurrency=4)
     verdicts = judge.grade_all([(QUESTION, RUBRIC, response) for _, response, _ in RED_TEAM[:6]])
     print([v["judge_reward"] for v in verdicts])
@@ -490,7 +499,7 @@ def test_red_team_table_on_the_real_judge_in_plain_text(vllm_judge):
     """The random tiny model as a plain-text judge: its replies are no verdicts. Every row must be a
     counted failure or a low score, never a silent high one (the row "runs to the token limit" is
     past the server's 2048 tokens: HTTP 400, a failure)."""
-    judge = verifiers.Judge(vllm_judge, "tiny", concurrency=4, structured=False)
+    judge = verifiers.Judge(vllm_judge, "tiny", concurrency=4, structured="none")
     verdicts = judge.grade_all([(QUESTION, RUBRIC, response) for _, response, _ in RED_TEAM])
     got = {row: outcome(v) for (row, _, _), v in zip(RED_TEAM, verdicts, strict=True)}
     print(got, [v.get("judge_error") for v in verdicts][:3])
@@ -499,3 +508,27 @@ def test_red_team_table_on_the_real_judge_in_plain_text(vllm_judge):
     stats = judge.take_stats()
     assert stats["judge/failures"] == sum(o == "failure" for o in got.values())
     assert "HTTP 400" in verdicts[-1]["judge_error"]
+
+
+def test_eval_with_the_real_tiny_model_as_student_and_judge(vllm_judge, shared_data, tmp_path):
+    """eval.py end to end against the real server, as docs/eval.md measures SmolLM2: the tiny
+    model answers 32 IFEval prompts and judges its answers (vLLM's choice: every verdict parses)."""
+    args = eval_script.Args(
+        dataset="ifeval",
+        split="test",
+        data_dir=str(shared_data),
+        limit=32,
+        template="question",
+        max_tokens=16,
+        api_base=vllm_judge,
+        api_model="tiny",
+        api_endpoint="completions",
+        judge_base_url=vllm_judge,
+        judge_model="tiny",
+        out_dir=str(tmp_path),
+    )
+    summary = json.loads((eval_script.main(args) / "summary.json").read_text())["metrics"]
+    table = {key: summary[f"judge/{key}"] for key in eval_script.confusion_table([], [])}
+    print(table, summary.get("judge/kappa"), summary["judge/seconds"])
+    assert summary["judge/n_graded"] == sum(table.values()) == 32
+    assert summary["judge/n_failed"] == 0 and summary["judge/calls"] >= 1
