@@ -57,7 +57,77 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """runs/<exp_name>__<seed>__<unix time>"""
     seed: int = 1
-    """seed for the questions drawn and the engine's sampling"""
+    """seed for every random choice: the questions drawn, the engine's sampling, the data's order"""
+    model: str = "Qwen/Qwen3-1.7B-Base"
+    """the student: Hugging Face name or folder (an SFT checkpoint)"""
+    teacher: str = "Qwen/Qwen3-8B"
+    """the teacher: any causal LM with the student's tokenizer"""
+    # --- data ---
+    dataset: str = "gsm8k"
+    """gsm8k | math | mbpp | ifeval | synthetic, or a mixture: gsm8k:0.5,math:0.5"""
+    data_dir: str | None = None
+    """data root, one folder per dataset (../shared/data); None: the hub"""
+    template: str = "r1_zero"
+    """r1_zero | question | chat (data.py)"""
+    dataset_templates: list[str] = field(default_factory=list)
+    """e.g. ifeval=question: another template for a dataset"""
+    curriculum: list[str] = field(default_factory=list)
+    """e.g. mbpp=order.txt: a dataset's questions in a file's order"""
+    # --- generation ---
+    n_distill_steps: int = 200
+    """distillation steps: generate a rollout batch, train on it, reload the engine"""
+    rollout_batch_size: int = 256
+    """responses per step: / group_size questions"""
+    group_size: int = 4
+    """responses per question (at least 2 with --reward-weight: the group is the baseline)"""
+    temperature: float = 1.0
+    """sampling temperature; student and teacher divide their logits by it alike"""
+    max_tokens: int = 1024
+    """max new tokens per response; answers cut off here score 0 (watch rollout/truncation_rate)"""
+    # --- optim ---
+    lr: float = 1e-5
+    """peak learning rate of AdamW (reached after the warmup)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    warmup_steps: int = 0
+    """optimizer steps (not loop steps) over which the learning rate rises linearly from 0"""
+    microbatch_size: int = 2
+    """examples per forward/backward pass (gradients accumulate)"""
+    max_grad_norm: float = 1.0
+    """clip the gradient's global L2 norm to this"""
+    # --- distill ---
+    advantage_eps: float = 1e-6
+    """added to the group's std before dividing"""
+    reward_weight: float = 0.0
+    """w: add w x the verifier's group-normalised reward to every token's advantage"""
+    ifeval_partial_credit: float = 0.0
+    """IFEval training prompts: the reward's share paid per instruction followed (0: all or
+    nothing, lm-eval's prompt-level strict; 1: the fraction; data.load_task). Eval stays strict."""
+    # --- judge (docs/tasks.md) ---
+    judge_model: str | None = None
+    """a model that grades the train responses against a rubric (verifiers.Judge); None: the rules"""
+    judge_base_url: str | None = None
+    """its OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (vllm serve)"""
+    judge_weight: float = 1.0
+    """reward = (1 - w) x the rule + w x the judge where a dataset has a rule; 1: the judge alone"""
+    judge_timeout_s: float = 60.0
+    """seconds per call, then it is retried (3 times, honouring Retry-After)"""
+    judge_price_per_mtok: list[float] = field(default_factory=list)
+    """dollars per million tokens in and out, e.g. 0.15 0.6: the cost is logged (judge/cost_usd)"""
+    judge_max_failures: float = 0.2
+    """the share of a step's responses the judge may fail to grade; above it the run stops"""
+    # --- eval ---
+    eval_split: str = "val"
+    """val (or test where there is none) | test"""
+    n_eval: int = 512
+    """problems evaluated per dataset, greedy, from the start of its eval split"""
+    eval_every: int = 10
+    """evaluate every this many steps (and at the start and the end)"""
+    eval_max_tokens: int = 1024
+    """max new tokens per evaluation response"""
+    n_log_generations: int = 4
+    """evaluation responses to generations.jsonl"""
+    # --- plumbing: run folder, devices, LoRA, checkpoints, tracking (a first reader may skip) ---
     output_dir: str = "runs"
     """where run folders are made"""
     resume: str | None = None
@@ -66,11 +136,6 @@ class Args:
     """also log to Weights & Biases (pip install wandb)"""
     wandb_project: str = "rlvr-distill"
     """the W&B project, with --track"""
-    # --- model ---
-    model: str = "Qwen/Qwen3-1.7B-Base"
-    """the student: Hugging Face name or folder (an SFT checkpoint)"""
-    teacher: str = "Qwen/Qwen3-8B"
-    """the teacher: any causal LM with the student's tokenizer"""
     policy_device: str | None = None
     """device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)"""
     vllm_device: str | None = None
@@ -91,54 +156,9 @@ class Args:
         default_factory=lambda: "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj".split()
     )
     """the linear layers that get an adapter: every one of attention and MLP"""
-    # --- data ---
-    dataset: str = "gsm8k"
-    """gsm8k | math | mbpp | ifeval | synthetic, or a mixture: gsm8k:0.5,math:0.5"""
-    data_dir: str | None = None
-    """data root, one folder per dataset (../shared/data); None: the hub"""
-    template: str = "r1_zero"
-    """r1_zero | question | chat (data.py)"""
-    dataset_templates: list[str] = field(default_factory=list)
-    """e.g. ifeval=question: another template for a dataset"""
-    # --- generation ---
-    n_distill_steps: int = 200
-    """distillation steps: generate a rollout batch, train on it, reload the engine"""
-    rollout_batch_size: int = 256
-    """responses per step: / group_size questions"""
-    group_size: int = 4
-    """responses per question (at least 2 with --reward-weight: the group is the baseline)"""
-    temperature: float = 1.0
-    """sampling temperature; student and teacher divide their logits by it alike"""
-    max_tokens: int = 1024
-    """max new tokens per response; answers cut off here score 0 (watch rollout/truncation_rate)"""
-    # --- optim ---
-    lr: float = 1e-5
-    """peak learning rate of AdamW (reached after the warmup)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    warmup_steps: int = 0
-    """optimizer steps (one a step) over which the learning rate rises linearly from 0, then stays"""
-    microbatch_size: int = 2
-    """examples per forward/backward pass (gradients accumulate)"""
     share_prompt: bool = False
     """a microbatch holds one prompt's responses, and the prompt runs through the model once
     (shared_prompt_log_probs): the same update to float rounding, less work for long prompts"""
-    max_grad_norm: float = 1.0
-    """clip the gradient's global L2 norm to this"""
-    # --- distill ---
-    reward_weight: float = 0.0
-    """w: add w x the verifier's group-normalised reward to every token's advantage"""
-    # --- eval ---
-    eval_split: str = "val"
-    """val (or test where there is none) | test"""
-    n_eval: int = 512
-    """problems evaluated per dataset, greedy, from the start of its eval split"""
-    eval_every: int = 10
-    """evaluate every this many steps (and at the start and the end)"""
-    eval_max_tokens: int = 1024
-    """max new tokens per evaluation response"""
-    n_log_generations: int = 4
-    """evaluation responses to generations.jsonl"""
     save_every: int = 50
     """checkpoint every this many steps (and at the end)"""
     keep_checkpoints: int = 2
@@ -223,7 +243,7 @@ def chunk_log_probs(
     log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
     if not return_token_entropy:
         return log_probs, None
-    # last: the backward's recomputation stops before it
+    # last, so that the backward's recomputation of the chunk stops before it
     with torch.no_grad():
         entropy = compute_entropy(logits)
     return log_probs, entropy
@@ -273,16 +293,17 @@ def generate_responses(
     return examples, gather(outputs)
 
 
-def score_responses(examples: list[dict], outputs: list) -> list[dict]:
-    """verifiers.score of each response (response k to question j at j G + k): each rank scores
-    the share it generated (code runs in a sandbox); every rank gets all."""
+def score_responses(examples: list[dict], outputs: list, judge=None) -> list[dict]:
+    """verifiers.score of each response (response k to question j at j G + k), or the judge's
+    grade where the task has one (reward NaN where it failed: no score): each rank scores the
+    share it generated (code runs in a sandbox); every rank gets all."""
     responses = []
     questions = []
     for ex, output in zip(my_share(examples), my_share(outputs), strict=True):
         for completion in output.outputs:
             responses.append(completion.text)
             questions.append(ex)
-    return gather(verifiers.score_batch(responses, questions))
+    return gather(verifiers.score_batch(responses, questions, judge=judge))
 
 
 # --- ALGORITHM: group-normalised advantages (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
@@ -296,8 +317,19 @@ def group_normalize(
     forming group i. A group of equal rewards gets 0: it adds no gradient. With G = 4:
         rewards          [1,    0,     0,     0,        1, 1, 1, 1]
         - group mean     [0.75, -0.25, -0.25, -0.25,    0, 0, 0, 0]
-        / group std 0.5  [1.5,  -0.5,  -0.5,  -0.5,     0, 0, 0, 0]"""
+        / group std 0.5  [1.5,  -0.5,  -0.5,  -0.5,     0, 0, 0, 0]
+    A reward of NaN is no reward (a judge that failed to grade): the group's mean and std are
+    those of its other rewards, and the response gets 0 (as does a group left with one reward)."""
     grouped = raw_rewards.view(-1, group_size)  # (n_groups, G)
+    graded = ~grouped.isnan()
+    if not graded.all():
+        n_graded = graded.sum(dim=1, keepdim=True)
+        rewards = grouped.nan_to_num(0.0)
+        centred = (rewards - rewards.sum(dim=1, keepdim=True) / n_graded) * graded
+        std = (centred.pow(2).sum(dim=1, keepdim=True) / (n_graded - 1)).sqrt()
+        advantages = centred / (std + eps) if normalize_by_std else centred
+        # 0 / 0 where fewer than 2 rewards are left: no baseline, no gradient
+        return advantages.nan_to_num(0.0).reshape(-1)
     advantages = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_by_std:
         advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
@@ -357,28 +389,24 @@ def get_lr(update: int, lr: float, warmup: int, n_updates: int, schedule: str) -
     return lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def optimizer_step(
-    policy, optimizer, lr: float, max_grad_norm: float, n_bad_in_a_row: int = 0
-) -> tuple[float, int]:
-    """Clip the gradient's global L2 norm, step AdamW at `lr` and zero the gradient. Returns
-    the norm before clipping and the count of non-finite updates in a row: a non-finite
-    norm (an inf or NaN in the loss) skips the step, so that one bad batch cannot write NaN
-    into every weight, and three in a row stop the run."""
+def optimizer_step(policy, optimizer, lr: float, max_grad_norm: float) -> float:
+    """Clip the gradient's global L2 norm, step AdamW at `lr` and zero the gradient; returns
+    the norm before clipping. A non-finite norm (an inf or NaN in the loss) skips the step, so
+    that one bad batch cannot write NaN into every weight. The optimizer counts the skips in a
+    row (across steps), and three stop the run."""
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
     if math.isfinite(grad_norm):
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
-        n_bad_in_a_row = 0
+        optimizer.n_skipped_in_a_row = 0
     else:
-        n_bad_in_a_row += 1
-        if n_bad_in_a_row >= 3:
-            raise RuntimeError(
-                f"{n_bad_in_a_row} non-finite updates in a row: check the rewards and the lr"
-            )
+        optimizer.n_skipped_in_a_row = getattr(optimizer, "n_skipped_in_a_row", 0) + 1
+        if optimizer.n_skipped_in_a_row >= 3:
+            raise RuntimeError("3 non-finite updates in a row: check the rewards and the lr")
         warnings.warn(f"gradient norm {grad_norm} is not finite: update skipped", stacklevel=2)
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm, n_bad_in_a_row
+    return grad_norm
 
 
 # --- ALGORITHM: microbatches, and frozen models' log-probs (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
@@ -425,26 +453,23 @@ def distill_update(
     lr: float,
     args: Args,
     autocast,
-    n_bad_in_a_row: int,
-) -> tuple[dict, int]:
+) -> dict:
     """One optimizer step on a rollout batch (input_ids, labels, response_mask (n, T);
-    reward_advantages (n, 1)) at `lr`, the gradient accumulated over microbatches. Under
-    torchrun each rank takes its rows, and the gradients are summed. Returns the train/ metrics
-    (and rollout/reverse_kl) and the count of non-finite updates in a row."""
-    device = str(policy.device)
-    # this rank's rows, sorted by length: balanced microbatches
+    reward_advantages (n, 1)) at `lr`, the gradient accumulated over microbatches. Returns the
+    train/ metrics (and rollout/reverse_kl)."""
+    # the rows this process trains (torchrun: its share), sorted by length
     local_rows = rows_to_train(sorted(range(len(lengths)), key=lambda i: lengths[i]))
 
-    # Before the optimizer step: the teacher's grade of each sampled token, log q, (n, T), 0 in
-    # the other ranks' rows.
+    # Before the optimizer step: the teacher's grade of each sampled token, log q, (n, T).
     teacher_log_probs = frozen_log_probs(teacher, batch, lengths, local_rows, args, autocast)
 
-    # every rank's response tokens: the mean's divisor
-    n_tokens = int(batch["response_mask"].sum())
-    # the loss, the reverse KL and the entropy, summed on the device: no sync per microbatch
-    sums = torch.zeros(3, device=policy.device)
     # --share-prompt: each microbatch one prompt's responses, the prompt run once
     split = prompt_microbatches if args.share_prompt else microbatches
+    device = str(policy.device)
+    token_sums = {}
+    # the loss is a mean over the minibatch's response tokens, on every rank
+    n_tokens = int(batch["response_mask"].sum())
+    minibatch_loss = torch.zeros((), device=policy.device)
     for micro_rows, micro in split(batch, local_rows, lengths, args.microbatch_size, device):
         with autocast:
             if args.share_prompt:
@@ -464,22 +489,27 @@ def distill_update(
             micro["reward_advantages"],
             args.reward_weight,
         )
-        entropy = out["token_entropy"]
-        sums += torch.stack([loss, (reverse_kl * mask).sum(), (entropy * mask).sum()])
-    sum_over_ranks(policy, sums)
-    grad_norm, n_bad_in_a_row = optimizer_step(
-        policy, optimizer, lr, args.max_grad_norm, n_bad_in_a_row
-    )
+        minibatch_loss += loss
+        stats = {"reverse_kl": reverse_kl, "entropy": out["token_entropy"]}
+        add_token_sums(token_sums, stats, mask)
+    sum_over_ranks(policy, minibatch_loss)
+    grad_norm = optimizer_step(policy, optimizer, lr, args.max_grad_norm)
 
-    loss, reverse_kl, entropy = sums.tolist()
+    # a collective: every rank calls it
     metrics = {
         "train/n_updates": int(math.isfinite(grad_norm)),
-        "train/loss": loss,
+        "train/loss": minibatch_loss.item(),
         "train/grad_norm": grad_norm,
-        "train/entropy": entropy / n_tokens,
-        "rollout/reverse_kl": reverse_kl / n_tokens,
     }
-    return metrics, n_bad_in_a_row
+    metrics.update(token_means(token_sums))
+    return metrics
+
+
+# per-token statistics of the update -> their metric, a mean over the response tokens
+TOKEN_MEANS = {
+    "entropy": "train/entropy",
+    "reverse_kl": "rollout/reverse_kl",
+}
 
 
 # --- ALGORITHM: the reload: the trainer's weights into the engine (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
@@ -500,7 +530,8 @@ def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
 def main(args: Args) -> Path:
     # --resume: the stopped run's arguments
     args = restore_args(args)
-    check_student_and_teacher(args)
+    check_args(args)
+    check_teacher(args)
     n_prompts = args.rollout_batch_size // args.group_size
     # a bad dataset spec stops here, before the engine starts
     task = data.load_task(args, n_questions=n_prompts)
@@ -508,6 +539,9 @@ def main(args: Args) -> Path:
     # --- PLUMBING: ranks, run folder, devices, engine, policy ---
     init_distributed(args.rank_timeout_s)
     run_dir = make_run_dir(args)
+    # a judged task's verdicts, kept in the run folder: a resumed run pays no call twice
+    if task.judge is not None:
+        task.judge.open_cache(run_dir)
     policy_device, vllm_device, memory_fraction, reload_tol, cpu_bf16 = resolve_devices(args)
     model_path = str(checkpoints(run_dir)[-1]) if checkpoints(run_dir) else args.model
     print(f"run folder {run_dir}; trainer on {policy_device}, vLLM on {vllm_device}")
@@ -547,7 +581,7 @@ def main(args: Args) -> Path:
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95)
     )
-    start_step = resume_from(run_dir, policy, optimizer)["step"]
+    start_step = resume_from(run_dir, policy, optimizer, "rollouts.jsonl")["step"]
     log = make_logger(run_dir, args)
     # the engine follows from step 0 on
     gap = reload_and_check(policy, llm, probe_prompts, vllm_device, reload_tol)
@@ -558,14 +592,13 @@ def main(args: Args) -> Path:
         log(metrics, 0)
 
     # --- ALGORITHM: the distillation loop ---
-    n_bad_in_a_row = 0
     for step in range(start_step, args.n_distill_steps):
         metrics = {}
         step_start = time.time()
         step_done = step + 1
 
         # --- 1. Generate group_size responses to each of this step's questions ---
-        # each rank its share; every rank gets all the responses
+        # each rank generates its share, and every rank gets all the responses
         with timed(metrics, "generate"):
             examples, outputs = generate_responses(
                 llm, task, sampling, n_prompts, args.seed, step, vllm_device
@@ -573,12 +606,24 @@ def main(args: Args) -> Path:
 
         # --- 2. Score and advantages ---
         with timed(metrics, "score"):
-            scores = score_responses(examples, outputs)
+            scores = score_responses(examples, outputs, task.judge)
             raw_rewards = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)  # (B,)
+        # a judge's failure is no reward (NaN), counted; too many in a step stop the run
+        metrics.update(judge_failures(scores, task.judge, args.judge_max_failures))
         # responses j G ... j G + G - 1 answer question j
         completions = [c for output in outputs for c in output.outputs]  # (B,)
         # (B,), in the loss with --reward-weight (the teacher's part comes in 3.)
-        reward_advantages = group_normalize(raw_rewards, args.group_size, 1e-6, True)
+        advantages = group_normalize(raw_rewards, args.group_size, args.advantage_eps, True)
+        write_rollouts(
+            run_dir / "rollouts.jsonl",
+            step_done,
+            task,
+            examples,
+            completions,
+            raw_rewards,
+            advantages,
+            list(range(len(completions))),
+        )
 
         # --- 3. Update: the teacher grades every sampled token, then one optimizer step ---
         lr = get_lr(step, args.lr, args.warmup_steps, args.n_distill_steps, "constant")
@@ -588,9 +633,9 @@ def main(args: Args) -> Path:
             # the pad (0) is masked out
             batch = collate_token_ids(prompt_ids, response_ids, 0)
             # (B, 1): microbatches cuts it like the (B, T) tensors
-            batch["reward_advantages"] = reward_advantages.unsqueeze(1)
+            batch["reward_advantages"] = advantages.unsqueeze(1)
             lengths = [len(p) + len(r) - 1 for p, r in zip(prompt_ids, response_ids, strict=True)]
-            update_metrics, n_bad_in_a_row = distill_update(
+            update_metrics = distill_update(
                 policy,
                 teacher,
                 optimizer,
@@ -599,7 +644,6 @@ def main(args: Args) -> Path:
                 lr,
                 args,
                 autocast,
-                n_bad_in_a_row,
             )
         metrics.update(update_metrics)
         metrics["train/lr"] = lr
@@ -613,11 +657,7 @@ def main(args: Args) -> Path:
         metrics["reload/logprob_gap"] = gap
 
         # --- 5. Log, evaluate, save ---
-        metrics["rollout/reward_mean"] = raw_rewards.mean().item()
-        n_tokens = [len(c.token_ids) for c in completions]
-        metrics["rollout/response_length"] = float(np.mean(n_tokens))
-        truncated = [c.finish_reason == "length" for c in completions]
-        metrics["rollout/truncation_rate"] = float(np.mean(truncated))
+        metrics.update(rollout_metrics(scores, raw_rewards, completions, args.group_size))
         grouped_rewards = raw_rewards.view(-1, args.group_size).tolist()
         metrics.update(task.rollout_metrics(examples, grouped_rewards))
         if step_done % args.eval_every == 0 or step_done == args.n_distill_steps:
@@ -657,17 +697,37 @@ def main(args: Args) -> Path:
     return run_dir
 
 
+# --- PLUMBING: the arguments ---
+
+
+def check_args(args: Args) -> None:
+    """Raise ValueError for inconsistent arguments, before an engine starts or data loads."""
+    problems = [
+        (
+            args.rollout_batch_size % args.group_size,
+            "rollout_batch_size is not a multiple of group_size",
+        ),
+        (
+            args.reward_weight and args.group_size < 2,
+            "--reward-weight needs groups of 2 or more: the group is the baseline",
+        ),
+        (
+            not 0 <= args.ifeval_partial_credit <= 1,
+            "ifeval_partial_credit must be in [0, 1]",
+        ),
+    ]
+    for is_bad, message in problems:
+        if is_bad:
+            raise ValueError(message)
+
+
 # --- PLUMBING: distill.py's own: the teacher's checks, the held-out reverse KL ---
 
 
-def check_student_and_teacher(args: Args) -> None:
-    """Refuse, before anything loads: inconsistent arguments; a missing teacher; a teacher whose
-    vocabulary is not the student's (a grade of token id k means something only if both models
-    mean the same token by k); a teacher too big for a GPU that the engine shares."""
-    if args.rollout_batch_size % args.group_size:
-        raise ValueError("rollout_batch_size must be a multiple of group_size")
-    if args.reward_weight and args.group_size < 2:
-        raise ValueError("--reward-weight needs groups of 2 or more: the group is the baseline")
+def check_teacher(args: Args) -> None:
+    """Refuse, before anything loads: a missing teacher; a teacher whose vocabulary is not the
+    student's (a grade of token id k means something only if both models mean the same token by
+    k); a teacher too big for a GPU that the engine shares."""
     looks_local = args.teacher.startswith((".", "/", "~")) or args.teacher.count("/") > 1
     if looks_local and not (Path(args.teacher).expanduser() / "config.json").is_file():
         raise ValueError(f"--teacher {args.teacher}: no model folder there (no config.json)")
@@ -756,6 +816,126 @@ def held_out_reverse_kl(
     n_tokens = max(mask.sum().item(), 1)
     reverse_kl = masked_normalize(student_log_probs - teacher_log_probs, mask, n_tokens)
     return {"eval/reverse_kl": reverse_kl.item()}
+
+
+# --- PLUMBING: the step's metrics, rollouts.jsonl (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
+def add_token_sums(token_sums: dict, stats: dict, mask: torch.Tensor) -> None:
+    """Add each per-token statistic of a microbatch (b, T), summed over its response tokens, to
+    token_sums, on the device: no sync per microbatch. "tokens" counts them."""
+    stats["tokens"] = torch.ones_like(mask)
+    for key, values in stats.items():
+        total = (values * mask).sum(dtype=torch.float32)
+        token_sums[key] = token_sums.get(key, 0.0) + total
+
+
+def token_means(token_sums: dict) -> dict:
+    """The train/ metric of each statistic in TOKEN_MEANS: its sum over every rank's response
+    tokens (a rank with no rows has none) over their count."""
+    parts = gather([{key: value.item() for key, value in token_sums.items()}])
+    totals = {}
+    for part in parts:
+        for key, value in part.items():
+            totals[key] = totals.get(key, 0.0) + value
+    means = {}
+    for key, name in TOKEN_MEANS.items():
+        if key in totals:
+            means[name] = totals[key] / max(totals["tokens"], 1)
+    return means
+
+
+def reward_statistics(
+    reward_dicts: list[dict], raw_rewards: torch.Tensor, group_size: int
+) -> dict[str, float]:
+    """The rewards' mean, max, min and std, the share of groups whose rewards are all equal (no
+    gradient), and the mean format and answer rewards where every reward dict has them."""
+    grouped = raw_rewards.view(-1, group_size)  # (n_groups, G)
+    # the rewards there are: a judge's failure (NaN) is none
+    rewards = raw_rewards[~raw_rewards.isnan()]
+    if len(rewards) == 0:
+        rewards = torch.tensor([math.nan])
+    statistics = {
+        "reward_mean": rewards.mean().item(),
+        "reward_max": rewards.max().item(),
+        "reward_min": rewards.min().item(),
+        "reward_std": rewards.std().item() if len(grouped) > 1 else 0.0,
+        "frac_zero_std_groups": (grouped.std(dim=1) == 0).float().mean().item(),
+    }
+    for key in ("format_reward", "answer_reward"):
+        if all(key in d for d in reward_dicts):
+            statistics[f"{key}_mean"] = float(np.mean([d[key] for d in reward_dicts]))
+    return statistics
+
+
+def rollout_metrics(
+    scores: list[dict], raw_rewards: torch.Tensor, completions: list, group_size: int
+) -> dict:
+    """rollout/: the rewards' statistics, the responses' lengths in tokens, and the share of
+    them cut off at --max-tokens."""
+    n_tokens = [len(c.token_ids) for c in completions]
+    metrics = reward_statistics(scores, raw_rewards, group_size)
+    metrics["response_length"] = float(np.mean(n_tokens))
+    metrics["response_length_max"] = max(n_tokens)
+    truncated = [c.finish_reason == "length" for c in completions]
+    metrics["truncation_rate"] = float(np.mean(truncated))
+    return {f"rollout/{key}": value for key, value in metrics.items()}
+
+
+def write_rollouts(
+    path: Path,
+    step: int,
+    task: data.Task,
+    examples: list[dict],
+    completions: list,
+    raw_rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    rows: list[int],
+) -> None:
+    """One line per group in rollouts.jsonl: the question, its responses, their rewards and
+    advantages, and which of them were trained on (rows)."""
+    group_size = len(completions) // len(examples)
+    trained = set(rows)
+    records = []
+    for j, ex in enumerate(examples):
+        group = range(j * group_size, (j + 1) * group_size)
+        records.append(
+            {
+                "step": step,
+                "dataset": ex["dataset"],
+                "id": ex["id"],
+                "answer": ex["answer"],
+                "prompt": task.prompt(ex),
+                "responses": [completions[i].text for i in group],
+                "rewards": [raw_rewards[i].item() for i in group],
+                "trained": [i in trained for i in group],
+                "advantages": [advantages[i].item() for i in group],
+                "n_tokens": [len(completions[i].token_ids) for i in group],
+                "finish_reasons": [completions[i].finish_reason for i in group],
+            }
+        )
+    append_jsonl(path, records)
+
+
+# --- PLUMBING: a judge's failures (--judge-model; docs/tasks.md) (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
+def judge_failures(scores: list[dict], judge, max_share: float) -> dict:
+    """rollout/judge_failures, the share of this step's responses the judge failed to grade (no
+    reward: not a 0), and judge/ (calls, cache hits, tokens, seconds, cost); {} without a judge.
+    Past max_share the run stops, naming the endpoint and the last error: a dead judge would
+    otherwise train on what is left."""
+    if judge is None:
+        return {}
+    failed = [s for s in scores if s.get("judge_failed")]
+    share = len(failed) / len(scores)
+    if share > max_share:
+        raise RuntimeError(
+            f"the judge at {judge.base_url} failed to grade {len(failed)} of {len(scores)}"
+            f" responses (more than --judge-max-failures {max_share}); the last error:"
+            f" {failed[-1].get('judge_error')}"
+        )
+    return {"rollout/judge_failures": share, **judge.take_stats()}
 
 
 # --- PLUMBING: a group's prompt through the model once (--share-prompt; bench/shared_prompt.py) (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---

@@ -66,45 +66,16 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """runs/<exp_name>__<seed>__<unix time>"""
     seed: int = 1
-    """seed for the questions and sampling seeds of each step, the SFT data order and the engine"""
-    output_dir: str = "runs"
-    """where run folders are made"""
-    resume: str | None = None
-    """a run folder to continue from its last checkpoint"""
-    track: bool = False
-    """also log to Weights & Biases (pip install wandb)"""
-    wandb_project: str = "rlvr-expert-iter"
-    """the W&B project, with --track"""
-    # --- model ---
+    """seed for every random choice: the questions drawn, the engine's sampling, the data's order"""
     model: str = "Qwen/Qwen3-1.7B-Base"
     """Hugging Face name or folder (an sft.py checkpoint)"""
-    policy_device: str | None = None
-    """device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)"""
-    vllm_device: str | None = None
-    """device of the vLLM engine; None: this rank's second GPU, else the trainer's"""
-    vllm_gpu_memory_utilization: float | None = None
-    """the engine's share of its GPU; None: 0.85 alone, 0.3 shared"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, more time (on an H200 at
-    Qwen3-1.7B's shape, 2.1x at microbatch 2, 1.2x at 8: docs/gpu.md)"""
-    cpu_bf16: bool = False
-    """on a CPU with AVX-512 BF16 or AMX: the trainer under bf16 autocast, the engine in bf16
-    (a Xeon's 2 cores train 1.6x faster: docs/performance.md); elsewhere float32, warned"""
-    lora_rank: int = 0
-    """rank r of LoRA adapters on a frozen base (bf16 on a GPU); 0: full fine-tuning"""
-    lora_alpha: float = 32.0
-    """the adapters' output is scaled by lora_alpha / lora_rank"""
-    lora_layers: list[str] = field(
-        default_factory=lambda: "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj".split()
-    )
-    """the linear layers that get an adapter: every one of attention and MLP"""
     # --- data ---
     dataset: str = "gsm8k"
     """gsm8k | math | mbpp | synthetic, or a mixture: gsm8k:0.5,math:0.5"""
     data_dir: str | None = None
     """data root, one folder per dataset (../shared/data); None: the hub"""
     template: str = "r1_zero"
-    """prompt template from data.py (r1_zero | question | chat) for sampling and evaluation"""
+    """r1_zero | question | chat (data.py)"""
     dataset_templates: list[str] = field(default_factory=list)
     """e.g. ifeval=question: another template for a dataset"""
     curriculum: list[str] = field(default_factory=list)
@@ -125,18 +96,18 @@ class Args:
     top_p: float = 1.0
     """nucleus sampling: keep the smallest set of tokens with this much probability"""
     max_tokens: int = 1024
-    """max new tokens per sampled response"""
+    """max new tokens per response; answers cut off here score 0 (watch rollout/truncation_rate)"""
     # --- optim ---
     lr: float = 2e-5
-    """learning rate of AdamW after warmup (constant)"""
+    """peak learning rate of AdamW (reached after the warmup)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     warmup_steps: int = 10
-    """optimizer steps (counted over the whole run) of linear warmup from 0 to --lr"""
+    """optimizer steps (not loop steps) over which the learning rate rises linearly from 0"""
     batch_size: int = 32
     """kept responses per optimizer step (the last batch of an epoch may be smaller)"""
     microbatch_size: int = 2
-    """responses per forward/backward pass; the passes of a batch accumulate gradients"""
+    """examples per forward/backward pass (gradients accumulate)"""
     max_grad_norm: float = 1.0
     """clip the gradient's global L2 norm to this"""
     # --- eval ---
@@ -145,13 +116,42 @@ class Args:
     n_eval: int = 256
     """problems evaluated per dataset, greedy, from the start of its eval split"""
     eval_every: int = 1
-    """evaluate every this many EI steps (and at the start and the end)"""
+    """evaluate every this many steps (and at the start and the end)"""
     eval_max_tokens: int = 1024
     """max new tokens per evaluation response"""
     n_log_generations: int = 4
     """evaluation responses to generations.jsonl"""
+    # --- plumbing: run folder, devices, LoRA, checkpoints, tracking (a first reader may skip) ---
+    output_dir: str = "runs"
+    """where run folders are made"""
+    resume: str | None = None
+    """a run folder to continue from its last checkpoint, with its own arguments"""
+    track: bool = False
+    """also log to Weights & Biases (pip install wandb)"""
+    wandb_project: str = "rlvr-expert-iter"
+    """the W&B project, with --track"""
+    policy_device: str | None = None
+    """device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)"""
+    vllm_device: str | None = None
+    """device of the vLLM engine; None: this rank's second GPU, else the trainer's"""
+    vllm_gpu_memory_utilization: float | None = None
+    """the engine's share of its GPU; None: 0.85 alone, 0.3 shared"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, more time (on an H200 at
+    Qwen3-1.7B's shape, 2.1x at microbatch 2, 1.2x at 8: docs/gpu.md)"""
+    cpu_bf16: bool = False
+    """on a CPU with AVX-512 BF16 or AMX: the trainer under bf16 autocast, the engine in bf16
+    (a Xeon's 2 cores train 1.6x faster: docs/performance.md); elsewhere float32, warned"""
+    lora_rank: int = 0
+    """rank r of LoRA adapters on a frozen base (bf16 on a GPU); 0: full fine-tuning"""
+    lora_alpha: float = 32.0
+    """the adapters' output is scaled by lora_alpha / lora_rank"""
+    lora_layers: list[str] = field(
+        default_factory=lambda: "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj".split()
+    )
+    """the linear layers that get an adapter: every one of attention and MLP"""
     save_every: int = 1
-    """checkpoint every this many EI steps (and at the end)"""
+    """checkpoint every this many steps (and at the end)"""
     keep_checkpoints: int = 2
     """keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all"""
     reload_tol: float | None = None
@@ -234,7 +234,7 @@ def chunk_log_probs(
     log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
     if not return_token_entropy:
         return log_probs, None
-    # last: the backward's recomputation stops before it
+    # last, so that the backward's recomputation of the chunk stops before it
     with torch.no_grad():
         entropy = compute_entropy(logits)
     return log_probs, entropy
@@ -284,16 +284,17 @@ def generate_responses(
     return examples, gather(outputs)
 
 
-def score_responses(examples: list[dict], outputs: list) -> list[dict]:
-    """verifiers.score of each response (response k to question j at j G + k): each rank scores
-    the share it generated (code runs in a sandbox); every rank gets all."""
+def score_responses(examples: list[dict], outputs: list, judge=None) -> list[dict]:
+    """verifiers.score of each response (response k to question j at j G + k), or the judge's
+    grade where the task has one (reward NaN where it failed: no score): each rank scores the
+    share it generated (code runs in a sandbox); every rank gets all."""
     responses = []
     questions = []
     for ex, output in zip(my_share(examples), my_share(outputs), strict=True):
         for completion in output.outputs:
             responses.append(completion.text)
             questions.append(ex)
-    return gather(verifiers.score_batch(responses, questions))
+    return gather(verifiers.score_batch(responses, questions, judge=judge))
 
 
 # --- ALGORITHM: the expert-iteration filter ---
@@ -339,28 +340,24 @@ def get_lr(update: int, lr: float, warmup: int, n_updates: int, schedule: str) -
     return lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def optimizer_step(
-    policy, optimizer, lr: float, max_grad_norm: float, n_bad_in_a_row: int = 0
-) -> tuple[float, int]:
-    """Clip the gradient's global L2 norm, step AdamW at `lr` and zero the gradient. Returns
-    the norm before clipping and the count of non-finite updates in a row: a non-finite
-    norm (an inf or NaN in the loss) skips the step, so that one bad batch cannot write NaN
-    into every weight, and three in a row stop the run."""
+def optimizer_step(policy, optimizer, lr: float, max_grad_norm: float) -> float:
+    """Clip the gradient's global L2 norm, step AdamW at `lr` and zero the gradient; returns
+    the norm before clipping. A non-finite norm (an inf or NaN in the loss) skips the step, so
+    that one bad batch cannot write NaN into every weight. The optimizer counts the skips in a
+    row (across steps), and three stop the run."""
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
     if math.isfinite(grad_norm):
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
-        n_bad_in_a_row = 0
+        optimizer.n_skipped_in_a_row = 0
     else:
-        n_bad_in_a_row += 1
-        if n_bad_in_a_row >= 3:
-            raise RuntimeError(
-                f"{n_bad_in_a_row} non-finite updates in a row: check the rewards and the lr"
-            )
+        optimizer.n_skipped_in_a_row = getattr(optimizer, "n_skipped_in_a_row", 0) + 1
+        if optimizer.n_skipped_in_a_row >= 3:
+            raise RuntimeError("3 non-finite updates in a row: check the rewards and the lr")
         warnings.warn(f"gradient norm {grad_norm} is not finite: update skipped", stacklevel=2)
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm, n_bad_in_a_row
+    return grad_norm
 
 
 # --- ALGORITHM: the SFT loss (same in sft.py, expert_iter.py) ---
@@ -479,10 +476,7 @@ def load_policy_into_vllm(policy, llm: LLM, device: str) -> None:
 def main(args: Args) -> Path:
     # --resume: the stopped run's arguments
     args = restore_args(args)
-    if args.group_size > 1 and args.temperature == 0:
-        raise ValueError(
-            f"group_size={args.group_size} greedy samples would be one response; set --temperature"
-        )
+    check_args(args)
     n_prompts = args.n_questions
     # a bad dataset spec stops here, before the engine starts
     task = data.load_task(args, n_questions=n_prompts)
@@ -538,13 +532,12 @@ def main(args: Args) -> Path:
         log(metrics, 0)
 
     # --- ALGORITHM: the EI loop ---
-    n_bad_in_a_row = 0
     for step in range(start_step, args.n_ei_steps):
         metrics = {}
         step_done = step + 1
 
         # --- 1. Generate group_size responses to each of this step's questions ---
-        # each rank its share; every rank gets all the responses
+        # each rank generates its share, and every rank gets all the responses
         with timed(metrics, "generate"):
             examples, outputs = generate_responses(
                 llm, task, sampling, n_prompts, args.seed, step, vllm_device
@@ -552,7 +545,7 @@ def main(args: Args) -> Path:
 
         # --- 2. Score and filter: keep each distinct response the verifier accepts ---
         with timed(metrics, "score"):
-            scores = score_responses(examples, outputs)
+            scores = score_responses(examples, outputs, task.judge)
         # responses j G ... j G + G - 1 answer question j
         completions = [c for output in outputs for c in output.outputs]  # (B,)
         # (Q, G): question by question
@@ -608,9 +601,7 @@ def main(args: Args) -> Path:
                         autocast,
                         entropy=epoch == 0,
                     )
-                    grad_norm, n_bad_in_a_row = optimizer_step(
-                        policy, optimizer, lr, args.max_grad_norm, n_bad_in_a_row
-                    )
+                    grad_norm = optimizer_step(policy, optimizer, lr, args.max_grad_norm)
                     n_updates += 1
                     losses.append(out["loss"])
                     grad_norms.append(grad_norm)
@@ -653,6 +644,22 @@ def main(args: Args) -> Path:
                 run_dir, step_done, policy, tokenizer, optimizer, n_updates, args.keep_checkpoints
             )
     return run_dir
+
+
+# --- PLUMBING: the arguments ---
+
+
+def check_args(args: Args) -> None:
+    """Raise ValueError for inconsistent arguments, before an engine starts or data loads."""
+    problems = [
+        (
+            args.group_size > 1 and args.temperature == 0,
+            f"group_size={args.group_size} greedy samples would be one response; set --temperature",
+        ),
+    ]
+    for is_bad, message in problems:
+        if is_bad:
+            raise ValueError(message)
 
 
 # --- PLUMBING: LoRA, low-rank adapters (--lora-rank; docs/lora.md) (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---

@@ -70,38 +70,9 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """runs/<exp_name>__<seed>__<unix time>"""
     seed: int = 1
-    """seed for the questions drawn, the engine's sampling and the minibatch order"""
-    output_dir: str = "runs"
-    """where run folders are made"""
-    resume: str | None = None
-    """a run folder to continue from its last checkpoint, with its own arguments"""
-    track: bool = False
-    """also log to Weights & Biases (pip install wandb)"""
-    wandb_project: str = "rlvr-grpo"
-    """the W&B project, with --track"""
-    # --- model ---
+    """seed for every random choice: the questions drawn, the engine's sampling, the data's order"""
     model: str = "Qwen/Qwen3-1.7B-Base"
     """Hugging Face name or folder; also the KL reference"""
-    policy_device: str | None = None
-    """device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)"""
-    vllm_device: str | None = None
-    """device of the vLLM engine; None: this rank's second GPU, else the trainer's"""
-    vllm_gpu_memory_utilization: float | None = None
-    """the engine's share of its GPU; None: 0.85 alone, 0.3 shared"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass: less memory, more time (on an H200 at
-    Qwen3-1.7B's shape, 2.1x at microbatch 2, 1.2x at 8: docs/gpu.md)"""
-    cpu_bf16: bool = False
-    """on a CPU with AVX-512 BF16 or AMX: the trainer under bf16 autocast, the engine in bf16
-    (a Xeon's 2 cores train 1.6x faster: docs/performance.md); elsewhere float32, warned"""
-    lora_rank: int = 0
-    """rank r of LoRA adapters on a frozen base (bf16 on a GPU); 0: full fine-tuning"""
-    lora_alpha: float = 32.0
-    """the adapters' output is scaled by lora_alpha / lora_rank"""
-    lora_layers: list[str] = field(
-        default_factory=lambda: "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj".split()
-    )
-    """the linear layers that get an adapter: every one of attention and MLP"""
     # --- data ---
     dataset: str = "gsm8k"
     """gsm8k | math | mbpp | ifeval | synthetic, or a mixture: gsm8k:0.5,math:0.5"""
@@ -130,7 +101,7 @@ class Args:
     weight_decay: float = 0.0
     """AdamW weight decay"""
     warmup_steps: int = 0
-    """optimizer steps (not GRPO steps) over which the learning rate rises linearly from 0"""
+    """optimizer steps (not loop steps) over which the learning rate rises linearly from 0"""
     lr_schedule: str = "constant"
     """after the warmup: constant | cosine (to 0 at the last optimizer step)"""
     train_batch_size: int = 256
@@ -139,9 +110,6 @@ class Args:
     """passes over each rollout batch; more than 1 is off-policy"""
     microbatch_size: int = 2
     """examples per forward/backward pass (gradients accumulate)"""
-    share_prompt: bool = False
-    """a microbatch holds one prompt's responses, and the prompt runs through the model once
-    (shared_prompt_log_probs): the same update to float rounding, less work for long prompts"""
     max_grad_norm: float = 1.0
     """clip the gradient's global L2 norm to this"""
     # --- grpo ---
@@ -166,25 +134,70 @@ class Args:
     max_staleness: int = 1
     """a rollout is trained on at most this many updates after the weights that sampled it; 0:
     the engine waits for the trainer (grpo.py)"""
-    engine_timeout_s: float = 1800
-    """the longest the trainer waits for the engine's thread before stopping the run"""
+    # --- judge (docs/tasks.md) ---
+    judge_model: str | None = None
+    """a model that grades the train responses against a rubric (verifiers.Judge); None: the rules"""
+    judge_base_url: str | None = None
+    """its OpenAI-compatible endpoint, e.g. http://127.0.0.1:8000/v1 (vllm serve)"""
+    judge_weight: float = 1.0
+    """reward = (1 - w) x the rule + w x the judge where a dataset has a rule; 1: the judge alone"""
+    judge_timeout_s: float = 60.0
+    """seconds per call, then it is retried (3 times, honouring Retry-After)"""
+    judge_price_per_mtok: list[float] = field(default_factory=list)
+    """dollars per million tokens in and out, e.g. 0.15 0.6: the cost is logged (judge/cost_usd)"""
+    judge_max_failures: float = 0.2
+    """the share of a step's responses the judge may fail to grade; above it the run stops"""
     # --- eval ---
     eval_split: str = "val"
     """val (or test where there is none) | test"""
     n_eval: int = 512
     """problems evaluated per dataset, greedy, from the start of its eval split"""
     eval_every: int = 10
-    """evaluate every this many GRPO steps (and at the start and the end)"""
+    """evaluate every this many steps (and at the start and the end)"""
     eval_max_tokens: int = 1024
     """max new tokens per evaluation response"""
     n_log_generations: int = 4
     """evaluation responses to generations.jsonl"""
+    # --- plumbing: run folder, devices, LoRA, checkpoints, tracking (a first reader may skip) ---
+    output_dir: str = "runs"
+    """where run folders are made"""
+    resume: str | None = None
+    """a run folder to continue from its last checkpoint, with its own arguments"""
+    track: bool = False
+    """also log to Weights & Biases (pip install wandb)"""
+    wandb_project: str = "rlvr-grpo"
+    """the W&B project, with --track"""
+    policy_device: str | None = None
+    """device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)"""
+    vllm_device: str | None = None
+    """device of the vLLM engine; None: this rank's second GPU, else the trainer's"""
+    vllm_gpu_memory_utilization: float | None = None
+    """the engine's share of its GPU; None: 0.85 alone, 0.3 shared"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass: less memory, more time (on an H200 at
+    Qwen3-1.7B's shape, 2.1x at microbatch 2, 1.2x at 8: docs/gpu.md)"""
+    cpu_bf16: bool = False
+    """on a CPU with AVX-512 BF16 or AMX: the trainer under bf16 autocast, the engine in bf16
+    (a Xeon's 2 cores train 1.6x faster: docs/performance.md); elsewhere float32, warned"""
+    lora_rank: int = 0
+    """rank r of LoRA adapters on a frozen base (bf16 on a GPU); 0: full fine-tuning"""
+    lora_alpha: float = 32.0
+    """the adapters' output is scaled by lora_alpha / lora_rank"""
+    lora_layers: list[str] = field(
+        default_factory=lambda: "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj".split()
+    )
+    """the linear layers that get an adapter: every one of attention and MLP"""
+    share_prompt: bool = False
+    """a microbatch holds one prompt's responses, and the prompt runs through the model once
+    (shared_prompt_log_probs): the same update to float rounding, less work for long prompts"""
     save_every: int = 50
-    """checkpoint every this many GRPO steps (and at the end)"""
+    """checkpoint every this many steps (and at the end)"""
     keep_checkpoints: int = 2
     """keep only the newest this many checkpoints (Qwen3-1.7B: ~20.6 GB each); 0 keeps all"""
     reload_tol: float | None = None
     """max probe gap (reload_and_check); None: 1e-3 fp32, 0.5 bf16"""
+    engine_timeout_s: float = 1800
+    """the longest the trainer waits for the engine's thread before stopping the run"""
     rank_timeout_s: float = 1800
     """under torchrun: how long a rank waits for the others before naming them and stopping"""
 
@@ -263,7 +276,7 @@ def chunk_log_probs(
     log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
     if not return_token_entropy:
         return log_probs, None
-    # last: the backward's recomputation stops before it
+    # last, so that the backward's recomputation of the chunk stops before it
     with torch.no_grad():
         entropy = compute_entropy(logits)
     return log_probs, entropy
@@ -313,16 +326,17 @@ def generate_responses(
     return examples, gather(outputs)
 
 
-def score_responses(examples: list[dict], outputs: list) -> list[dict]:
-    """verifiers.score of each response (response k to question j at j G + k): each rank scores
-    the share it generated (code runs in a sandbox); every rank gets all."""
+def score_responses(examples: list[dict], outputs: list, judge=None) -> list[dict]:
+    """verifiers.score of each response (response k to question j at j G + k), or the judge's
+    grade where the task has one (reward NaN where it failed: no score): each rank scores the
+    share it generated (code runs in a sandbox); every rank gets all."""
     responses = []
     questions = []
     for ex, output in zip(my_share(examples), my_share(outputs), strict=True):
         for completion in output.outputs:
             responses.append(completion.text)
             questions.append(ex)
-    return gather(verifiers.score_batch(responses, questions))
+    return gather(verifiers.score_batch(responses, questions, judge=judge))
 
 
 # --- ALGORITHM: group-normalised advantages (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
@@ -336,8 +350,19 @@ def group_normalize(
     forming group i. A group of equal rewards gets 0: it adds no gradient. With G = 4:
         rewards          [1,    0,     0,     0,        1, 1, 1, 1]
         - group mean     [0.75, -0.25, -0.25, -0.25,    0, 0, 0, 0]
-        / group std 0.5  [1.5,  -0.5,  -0.5,  -0.5,     0, 0, 0, 0]"""
+        / group std 0.5  [1.5,  -0.5,  -0.5,  -0.5,     0, 0, 0, 0]
+    A reward of NaN is no reward (a judge that failed to grade): the group's mean and std are
+    those of its other rewards, and the response gets 0 (as does a group left with one reward)."""
     grouped = raw_rewards.view(-1, group_size)  # (n_groups, G)
+    graded = ~grouped.isnan()
+    if not graded.all():
+        n_graded = graded.sum(dim=1, keepdim=True)
+        rewards = grouped.nan_to_num(0.0)
+        centred = (rewards - rewards.sum(dim=1, keepdim=True) / n_graded) * graded
+        std = (centred.pow(2).sum(dim=1, keepdim=True) / (n_graded - 1)).sqrt()
+        advantages = centred / (std + eps) if normalize_by_std else centred
+        # 0 / 0 where fewer than 2 rewards are left: no baseline, no gradient
+        return advantages.nan_to_num(0.0).reshape(-1)
     advantages = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_by_std:
         advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)
@@ -477,28 +502,24 @@ def get_lr(update: int, lr: float, warmup: int, n_updates: int, schedule: str) -
     return lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def optimizer_step(
-    policy, optimizer, lr: float, max_grad_norm: float, n_bad_in_a_row: int = 0
-) -> tuple[float, int]:
-    """Clip the gradient's global L2 norm, step AdamW at `lr` and zero the gradient. Returns
-    the norm before clipping and the count of non-finite updates in a row: a non-finite
-    norm (an inf or NaN in the loss) skips the step, so that one bad batch cannot write NaN
-    into every weight, and three in a row stop the run."""
+def optimizer_step(policy, optimizer, lr: float, max_grad_norm: float) -> float:
+    """Clip the gradient's global L2 norm, step AdamW at `lr` and zero the gradient; returns
+    the norm before clipping. A non-finite norm (an inf or NaN in the loss) skips the step, so
+    that one bad batch cannot write NaN into every weight. The optimizer counts the skips in a
+    row (across steps), and three stop the run."""
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
     if math.isfinite(grad_norm):
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
-        n_bad_in_a_row = 0
+        optimizer.n_skipped_in_a_row = 0
     else:
-        n_bad_in_a_row += 1
-        if n_bad_in_a_row >= 3:
-            raise RuntimeError(
-                f"{n_bad_in_a_row} non-finite updates in a row: check the rewards and the lr"
-            )
+        optimizer.n_skipped_in_a_row = getattr(optimizer, "n_skipped_in_a_row", 0) + 1
+        if optimizer.n_skipped_in_a_row >= 3:
+            raise RuntimeError("3 non-finite updates in a row: check the rewards and the lr")
         warnings.warn(f"gradient norm {grad_norm} is not finite: update skipped", stacklevel=2)
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm, n_bad_in_a_row
+    return grad_norm
 
 
 # --- ALGORITHM: microbatches, and frozen models' log-probs (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
@@ -583,25 +604,22 @@ def grpo_update(
     args: Args,
     step: int,
     autocast,
-    n_bad_in_a_row: int,
-) -> tuple[dict, int]:
-    """Epochs over a rollout batch (collate_rollouts), an optimizer step per minibatch at its
-    learning rate in lrs, the gradient accumulated over microbatches. Under torchrun each rank
-    takes its rows of a minibatch, and the gradients are summed. Returns the train/ metrics and
-    the count of non-finite updates in a row."""
-    device = str(policy.device)
+) -> dict:
+    """Epochs over a rollout batch (collate_rollouts): an optimizer step per minibatch at its
+    learning rate in lrs, the gradient accumulated over microbatches. Returns the train/
+    metrics."""
     cliprange = (args.clip_low, args.clip_high)
     n_minibatches = args.rollout_batch_size // args.train_batch_size
     minibatches = minibatch_order(
         len(lengths), n_minibatches, args.epochs_per_rollout_batch, args.seed, step
     )
-    # this rank's rows of each minibatch, sorted by length: balanced microbatches
+    # the rows of each minibatch this process trains (torchrun: its share), sorted by length
     local_rows = [rows_to_train(sorted(rows, key=lambda i: lengths[i])) for rows in minibatches]
     every_local_row = sorted({i for rows in local_rows for i in rows})
 
     # Before the first optimizer step: log p_old (the ratio's denominator) and log p_ref (the
-    # KL's), (n, T) each, 0 in the other ranks' rows. With one optimizer step per rollout batch
-    # the policy IS the old policy: its own log-probs, detached, at no extra forward pass.
+    # KL's), (n, T) each. With one optimizer step per rollout batch the policy IS the old
+    # policy: its own log-probs, detached, at no extra forward pass.
     old_log_probs = None
     if len(minibatches) > 1:
         old_log_probs = frozen_log_probs(policy, batch, lengths, every_local_row, args, autocast)
@@ -611,12 +629,12 @@ def grpo_update(
 
     # --share-prompt: each microbatch one prompt's responses, the prompt run once
     split = prompt_microbatches if args.share_prompt else microbatches
-    # summed over the response tokens, on the device: no sync per microbatch
+    device = str(policy.device)
     token_sums = {}
     losses = []
     grad_norms = []
     for i, rows in enumerate(minibatches):
-        # every rank's response tokens: the token mean's divisor
+        # the loss is a mean over the minibatch's response tokens, on every rank
         n_tokens = int(batch["response_mask"][rows].sum())
         minibatch_loss = torch.zeros((), device=policy.device)
         for micro_rows, micro in split(batch, local_rows[i], lengths, args.microbatch_size, device):
@@ -630,16 +648,16 @@ def grpo_update(
             log_probs = out["log_probs"]  # (b, T)
             mask = micro["response_mask"]  # (b, T)
             width = mask.shape[1]
-            # p_old: the ratio is 1 and the gradient REINFORCE's, -A grad log p, on-policy
+            # On-policy p_old is p itself, detached: the ratio is 1 and the gradient is
+            # REINFORCE's, -A grad log p.
             old = log_probs.detach()
             if old_log_probs is not None:
                 old = old_log_probs[micro_rows, :width]
             per_token_loss, stats = compute_grpo_clip_loss(
                 micro["advantages"], log_probs, old, cliprange
             )
-            # the engine sampled in its own numerics, not from p_old: logged, and corrected
+            # The engine sampled with its own numerics, not from p_old: each token is reweighted.
             engine_log_probs = micro["engine_log_probs"]
-            stats["engine_gap"] = (old - engine_log_probs).abs()
             if args.vllm_importance_sampling_cap is not None:
                 cap = args.vllm_importance_sampling_cap
                 weights, above_cap = engine_importance_weights(old, engine_log_probs, cap)
@@ -652,43 +670,33 @@ def grpo_update(
                 kl = compute_k3_kl(log_probs, ref_log_probs[micro_rows, :width])  # (b, T)
                 per_token_loss = per_token_loss + args.beta * kl
                 stats["kl"] = kl.detach()
-            # this microbatch's share of the mean over the minibatch's tokens: the shares add up
-            # to the minibatch's loss however it is split or padded
+            # This microbatch's share of the mean over the minibatch's tokens: the shares add up
+            # to the minibatch's loss however it is split or padded.
             loss = (per_token_loss * mask / n_tokens).sum()
             loss.backward()
             minibatch_loss += loss.detach()
+            stats["engine_gap"] = (old - engine_log_probs).abs()
             stats["entropy"] = out["token_entropy"]
-            stats["tokens"] = torch.ones_like(mask)
-            for key, values in stats.items():
-                total = (values * mask).sum(dtype=torch.float32)
-                token_sums[key] = token_sums.get(key, 0.0) + total
+            add_token_sums(token_sums, stats, mask)
         sum_over_ranks(policy, minibatch_loss)
-        grad_norm, n_bad_in_a_row = optimizer_step(
-            policy, optimizer, lrs[i], args.max_grad_norm, n_bad_in_a_row
-        )
+        grad_norm = optimizer_step(policy, optimizer, lrs[i], args.max_grad_norm)
         if math.isfinite(grad_norm):
             losses.append(minibatch_loss.item())
             grad_norms.append(grad_norm)
 
-    # every rank's sums (a rank with no rows has none)
-    parts = gather([{key: value.item() for key, value in token_sums.items()}])
-    totals = {}
-    for part in parts:
-        for key, value in part.items():
-            totals[key] = totals.get(key, 0.0) + value
+    # a collective: every rank calls it, whether it trained rows or not
+    means = token_means(token_sums)
     metrics = {"train/n_updates": len(losses)}
     if losses:
-        # ~0 on-policy while the gradient is not
+        # near 0 on-policy (a group's advantages sum to 0), while the gradient is not
         metrics["train/loss"] = sum(losses) / len(losses)
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        for key, name in TOKEN_MEANS.items():
-            if key in totals:
-                metrics[name] = totals[key] / max(totals["tokens"], 1)
-        if "is_weight" in totals:
+        metrics.update(means)
+        if "train/is_weight_mean" in metrics:
             # E[w^2] - E[w]^2, clamped: rounding can take a spread of ~0 below 0
             variance = metrics.pop("train/is_weight_sq_mean") - metrics["train/is_weight_mean"] ** 2
             metrics["train/is_weight_std"] = math.sqrt(max(variance, 0.0))
-    return metrics, n_bad_in_a_row
+    return metrics
 
 
 # per-token statistics of the update -> their train/ metric, a mean over the response tokens
@@ -731,6 +739,9 @@ def main(args: Args) -> Path:
     # --- PLUMBING: ranks, run folder, devices, engine, policy ---
     init_distributed(args.rank_timeout_s)
     run_dir = make_run_dir(args)
+    # a judged task's verdicts, kept in the run folder: a resumed run pays no call twice
+    if task.judge is not None:
+        task.judge.open_cache(run_dir)
     policy_device, vllm_device, memory_fraction, reload_tol, cpu_bf16 = resolve_devices(args)
     model_path = str(checkpoints(run_dir)[-1]) if checkpoints(run_dir) else args.model
     print(f"run folder {run_dir}; trainer on {policy_device}, vLLM on {vllm_device}")
@@ -762,7 +773,7 @@ def main(args: Args) -> Path:
     reference = None
     if args.beta > 0:
         reference = load_frozen_model(args.model, policy_device)
-    # logprobs=0: each sampled token's log-prob too (after the temperature), for the IS correction
+    # logprobs=0 returns each sampled token's log-prob (after the temperature): the IS weights
     sampling = dict(
         n=args.group_size,
         temperature=args.temperature,
@@ -804,7 +815,7 @@ def main(args: Args) -> Path:
             llm, task, sampling, n_prompts, args.seed, step, vllm_device
         )
         generated = time.time()
-        scores = score_responses(examples, outputs)
+        scores = score_responses(examples, outputs, task.judge)
         times = (start, generated, time.time())
         return dict(examples=examples, outputs=outputs, scores=scores, version=version, times=times)
 
@@ -813,7 +824,6 @@ def main(args: Args) -> Path:
     sampled_ahead = load_sampled_ahead(run_dir, start_step)
 
     # --- ALGORITHM: the GRPO loop ---
-    n_bad_in_a_row = 0
     for step in range(start_step, args.n_grpo_steps):
         metrics = {}
         step_start = time.time()
@@ -840,6 +850,8 @@ def main(args: Args) -> Path:
 
         # --- 2. Score and advantages ---
         raw_rewards = rollout_rewards(scores, outputs, args)  # (B,)
+        # a judge's failure is no reward (NaN), counted; too many in a step stop the run
+        metrics.update(judge_failures(scores, task.judge, args.judge_max_failures))
         # responses j G ... j G + G - 1 answer question j
         completions = [c for output in outputs for c in output.outputs]  # (B,)
         # (B,): each reward against its group's
@@ -847,6 +859,8 @@ def main(args: Args) -> Path:
         # a group whose rewards are all equal has A = 0 everywhere: no gradient, left out
         has_signal = raw_rewards.view(-1, args.group_size).std(dim=1) > 0  # (n_groups,)
         rows = [i for i in range(len(completions)) if has_signal[i // args.group_size]]
+        # a response the judge failed to grade is not trained on; its group is, if the rest differ
+        rows = graded_rows(rows, raw_rewards, advantages, args.group_size)
         write_rollouts(
             run_dir / "rollouts.jsonl",
             step_done,
@@ -873,7 +887,7 @@ def main(args: Args) -> Path:
                     [completions[i] for i in rows],
                     advantages[rows],
                 )
-                update_metrics, n_bad_in_a_row = grpo_update(
+                update_metrics = grpo_update(
                     policy,
                     optimizer,
                     batch,
@@ -883,7 +897,6 @@ def main(args: Args) -> Path:
                     args,
                     step,
                     autocast,
-                    n_bad_in_a_row,
                 )
         metrics.update(update_metrics)
         metrics["train/lr"] = lrs[-1]
@@ -1032,7 +1045,31 @@ def refuse_family_flags(argv: list[str]) -> None:
         )
 
 
-# --- PLUMBING: the step's metrics, rollouts.jsonl (same in grpo.py, grpo_family.py, grpo_tools.py, grpo_async.py) ---
+# --- PLUMBING: the step's metrics, rollouts.jsonl (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
+def add_token_sums(token_sums: dict, stats: dict, mask: torch.Tensor) -> None:
+    """Add each per-token statistic of a microbatch (b, T), summed over its response tokens, to
+    token_sums, on the device: no sync per microbatch. "tokens" counts them."""
+    stats["tokens"] = torch.ones_like(mask)
+    for key, values in stats.items():
+        total = (values * mask).sum(dtype=torch.float32)
+        token_sums[key] = token_sums.get(key, 0.0) + total
+
+
+def token_means(token_sums: dict) -> dict:
+    """The train/ metric of each statistic in TOKEN_MEANS: its sum over every rank's response
+    tokens (a rank with no rows has none) over their count."""
+    parts = gather([{key: value.item() for key, value in token_sums.items()}])
+    totals = {}
+    for part in parts:
+        for key, value in part.items():
+            totals[key] = totals.get(key, 0.0) + value
+    means = {}
+    for key, name in TOKEN_MEANS.items():
+        if key in totals:
+            means[name] = totals[key] / max(totals["tokens"], 1)
+    return means
 
 
 def reward_statistics(
@@ -1041,11 +1078,15 @@ def reward_statistics(
     """The rewards' mean, max, min and std, the share of groups whose rewards are all equal (no
     gradient), and the mean format and answer rewards where every reward dict has them."""
     grouped = raw_rewards.view(-1, group_size)  # (n_groups, G)
+    # the rewards there are: a judge's failure (NaN) is none
+    rewards = raw_rewards[~raw_rewards.isnan()]
+    if len(rewards) == 0:
+        rewards = torch.tensor([math.nan])
     statistics = {
-        "reward_mean": raw_rewards.mean().item(),
-        "reward_max": raw_rewards.max().item(),
-        "reward_min": raw_rewards.min().item(),
-        "reward_std": raw_rewards.std().item() if len(grouped) > 1 else 0.0,
+        "reward_mean": rewards.mean().item(),
+        "reward_max": rewards.max().item(),
+        "reward_min": rewards.min().item(),
+        "reward_std": rewards.std().item() if len(grouped) > 1 else 0.0,
         "frac_zero_std_groups": (grouped.std(dim=1) == 0).float().mean().item(),
     }
     for key in ("format_reward", "answer_reward"):
@@ -1135,6 +1176,43 @@ def load_sampled_ahead(run_dir: Path, step: int) -> dict[int, Future]:
         sampled_ahead[s] = Future()
         sampled_ahead[s].set_result(rollouts)
     return sampled_ahead
+
+
+# --- PLUMBING: a judge's failures (--judge-model; docs/tasks.md) (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
+
+
+def judge_failures(scores: list[dict], judge, max_share: float) -> dict:
+    """rollout/judge_failures, the share of this step's responses the judge failed to grade (no
+    reward: not a 0), and judge/ (calls, cache hits, tokens, seconds, cost); {} without a judge.
+    Past max_share the run stops, naming the endpoint and the last error: a dead judge would
+    otherwise train on what is left."""
+    if judge is None:
+        return {}
+    failed = [s for s in scores if s.get("judge_failed")]
+    share = len(failed) / len(scores)
+    if share > max_share:
+        raise RuntimeError(
+            f"the judge at {judge.base_url} failed to grade {len(failed)} of {len(scores)}"
+            f" responses (more than --judge-max-failures {max_share}); the last error:"
+            f" {failed[-1].get('judge_error')}"
+        )
+    return {"rollout/judge_failures": share, **judge.take_stats()}
+
+
+# --- PLUMBING: the responses a judge failed to grade, left out of the update (same in grpo.py, grpo_tools.py, grpo_async.py) ---
+
+
+def graded_rows(
+    rows: list[int], raw_rewards: torch.Tensor, advantages: torch.Tensor, group_size: int
+) -> list[int]:
+    """rows without the responses the judge failed to grade (NaN), and with each group judged by
+    the rewards it has: trained if its advantages are not all 0 (group_normalize). Without a
+    failure, rows as they are."""
+    if not raw_rewards.isnan().any():
+        return rows
+    has_signal = (advantages.view(-1, group_size) != 0).any(dim=1)  # (n_groups,)
+    graded = ~raw_rewards.isnan()
+    return [i for i in range(len(raw_rewards)) if has_signal[i // group_size] and graded[i]]
 
 
 # --- PLUMBING: a group's prompt through the model once (--share-prompt; bench/shared_prompt.py) (same in grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---

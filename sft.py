@@ -62,18 +62,61 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """runs/<exp_name>__<seed>__<unix time>"""
     seed: int = 1
-    """seed for the data order, the weights' dropout (none in Qwen3) and the engine"""
+    """seed for every random choice: the questions drawn, the engine's sampling, the data's order"""
+    model: str = "Qwen/Qwen3-1.7B-Base"
+    """Hugging Face model name or local model folder to fine-tune"""
+    # --- data ---
+    dataset: str = "gsm8k"
+    """gsm8k | math | mbpp | synthetic, or a mixture: gsm8k:0.5,math:0.5"""
+    data_dir: str | None = None
+    """data root, one folder per dataset (../shared/data); None: the hub"""
+    sft_file: str | None = None
+    """JSONL of {"prompt", "response"} pairs to train on instead of solutions"""
+    template: str = "r1_zero"
+    """r1_zero | question | chat (data.py)"""
+    dataset_templates: list[str] = field(default_factory=list)
+    """e.g. ifeval=question: another template for a dataset"""
+    n_examples: int | None = None
+    """train on the first n examples (of a mixture, n in all); None: all"""
+    filter_correct: bool = False
+    """keep only training responses whose final answer the verifier accepts"""
+    max_seq_len: int = 1024
+    """longest prompt + response in tokens; longer examples are cut at the end (and counted)"""
+    # --- optim ---
+    lr: float = 2e-5
+    """peak learning rate of AdamW (reached after the warmup)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    warmup_ratio: float = 0.03
+    """share of the steps warming up, before the cosine decay"""
+    n_epochs: int = 1
+    """passes over the training examples"""
+    batch_size: int = 32
+    """examples per optimizer step"""
+    microbatch_size: int = 2
+    """examples per forward/backward pass (gradients accumulate)"""
+    max_grad_norm: float = 1.0
+    """clip the gradient's global L2 norm to this"""
+    # --- eval ---
+    eval_split: str = "val"
+    """val (or test where there is none) | test"""
+    n_eval: int = 256
+    """problems evaluated per dataset, greedy, from the start of its eval split"""
+    eval_every: int = 50
+    """evaluate every this many optimizer steps (and at the start and the end)"""
+    eval_max_tokens: int = 512
+    """max new tokens per evaluation response"""
+    n_log_generations: int = 4
+    """evaluation responses to generations.jsonl"""
+    # --- plumbing: run folder, devices, LoRA, checkpoints, tracking (a first reader may skip) ---
     output_dir: str = "runs"
     """where run folders are made"""
     resume: str | None = None
-    """a run folder to continue from its last checkpoint"""
+    """a run folder to continue from its last checkpoint, with its own arguments"""
     track: bool = False
     """also log to Weights & Biases (pip install wandb)"""
     wandb_project: str = "rlvr-sft"
     """the W&B project, with --track"""
-    # --- model ---
-    model: str = "Qwen/Qwen3-1.7B-Base"
-    """Hugging Face model name or local model folder to fine-tune"""
     policy_device: str | None = None
     """device of the trainer; None: this rank's first GPU, else cpu (resolve_devices)"""
     vllm_device: str | None = None
@@ -94,51 +137,8 @@ class Args:
         default_factory=lambda: "q_proj k_proj v_proj o_proj gate_proj up_proj down_proj".split()
     )
     """the linear layers that get an adapter: every one of attention and MLP"""
-    # --- data ---
-    dataset: str = "gsm8k"
-    """gsm8k | math | mbpp | synthetic, or a mixture: gsm8k:0.5,math:0.5"""
-    data_dir: str | None = None
-    """data root, one folder per dataset (../shared/data); None: the hub"""
-    sft_file: str | None = None
-    """JSONL of {"prompt", "response"} pairs to train on instead of solutions"""
-    template: str = "r1_zero"
-    """r1_zero | question | chat (data.py)"""
-    dataset_templates: list[str] = field(default_factory=list)
-    """e.g. ifeval=question: another template for a dataset"""
-    n_examples: int | None = None
-    """train on the first n examples (of a mixture, n in all); None: all"""
-    filter_correct: bool = False
-    """keep only training responses whose final answer the verifier accepts"""
-    max_seq_len: int = 1024
-    """longest prompt + response in tokens; longer examples are cut at the end (and counted)"""
-    # --- optim ---
-    lr: float = 2e-5
-    """peak learning rate of AdamW"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    warmup_ratio: float = 0.03
-    """share of the steps warming up, before the cosine decay"""
-    n_epochs: int = 1
-    """passes over the training examples"""
-    batch_size: int = 32
-    """examples per optimizer step"""
-    microbatch_size: int = 2
-    """examples per forward/backward pass (gradients accumulate)"""
-    max_grad_norm: float = 1.0
-    """clip the gradient's global L2 norm to this"""
-    # --- eval ---
-    eval_split: str = "val"
-    """val (or test where there is none) | test"""
-    n_eval: int = 256
-    """problems evaluated per dataset, greedy, from the start of its eval split"""
-    eval_every: int = 50
-    """evaluate every this many optimizer steps (and at the start and the end)"""
     eval_in_background: bool | None = None
     """train on while the engine evaluates; None: when it has its own device"""
-    eval_max_tokens: int = 512
-    """max new tokens per evaluation response"""
-    n_log_generations: int = 4
-    """evaluation responses to generations.jsonl"""
     save_every: int = 100
     """checkpoint every this many optimizer steps (and at the end)"""
     keep_checkpoints: int = 2
@@ -223,7 +223,7 @@ def chunk_log_probs(
     log_probs = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # (n,)
     if not return_token_entropy:
         return log_probs, None
-    # last: the backward's recomputation stops before it
+    # last, so that the backward's recomputation of the chunk stops before it
     with torch.no_grad():
         entropy = compute_entropy(logits)
     return log_probs, entropy
@@ -268,28 +268,24 @@ def get_lr(update: int, lr: float, warmup: int, n_updates: int, schedule: str) -
     return lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def optimizer_step(
-    policy, optimizer, lr: float, max_grad_norm: float, n_bad_in_a_row: int = 0
-) -> tuple[float, int]:
-    """Clip the gradient's global L2 norm, step AdamW at `lr` and zero the gradient. Returns
-    the norm before clipping and the count of non-finite updates in a row: a non-finite
-    norm (an inf or NaN in the loss) skips the step, so that one bad batch cannot write NaN
-    into every weight, and three in a row stop the run."""
+def optimizer_step(policy, optimizer, lr: float, max_grad_norm: float) -> float:
+    """Clip the gradient's global L2 norm, step AdamW at `lr` and zero the gradient; returns
+    the norm before clipping. A non-finite norm (an inf or NaN in the loss) skips the step, so
+    that one bad batch cannot write NaN into every weight. The optimizer counts the skips in a
+    row (across steps), and three stop the run."""
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
     if math.isfinite(grad_norm):
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
-        n_bad_in_a_row = 0
+        optimizer.n_skipped_in_a_row = 0
     else:
-        n_bad_in_a_row += 1
-        if n_bad_in_a_row >= 3:
-            raise RuntimeError(
-                f"{n_bad_in_a_row} non-finite updates in a row: check the rewards and the lr"
-            )
+        optimizer.n_skipped_in_a_row = getattr(optimizer, "n_skipped_in_a_row", 0) + 1
+        if optimizer.n_skipped_in_a_row >= 3:
+            raise RuntimeError("3 non-finite updates in a row: check the rewards and the lr")
         warnings.warn(f"gradient norm {grad_norm} is not finite: update skipped", stacklevel=2)
     optimizer.zero_grad(set_to_none=True)
-    return grad_norm, n_bad_in_a_row
+    return grad_norm
 
 
 # --- ALGORITHM: the SFT loss (same in sft.py, expert_iter.py) ---
@@ -483,7 +479,6 @@ def main(args: Args) -> Path:
     # --- ALGORITHM: the SFT loop ---
     # Phases 1 and 2 (generate, score) are expert_iter.py's and grpo.py's: here the responses
     # are given.
-    n_bad_in_a_row = 0
     for step in range(start_step, n_steps):
         metrics = {}
         step_done = step + 1
@@ -496,9 +491,7 @@ def main(args: Args) -> Path:
             out = sft_batch_train_step(
                 policy, tokenizer, batch, args.microbatch_size, args.max_seq_len, autocast
             )
-            grad_norm, n_bad_in_a_row = optimizer_step(
-                policy, optimizer, lr, args.max_grad_norm, n_bad_in_a_row
-            )
+            grad_norm = optimizer_step(policy, optimizer, lr, args.max_grad_norm)
         metrics["train/loss"] = out["loss"]
         metrics["train/grad_norm"] = grad_norm
         metrics["train/lr"] = lr

@@ -117,6 +117,72 @@ def test_group_normalize_by_hand():
     assert advantages[4:].tolist() == [0.0] * 4
 
 
+def test_group_normalize_leaves_out_a_judges_failure_by_hand():
+    # A NaN reward is no reward (a judge that failed to grade). Group [1, NaN, 0, 0]: the mean of
+    # the three graded is 1/3, their unbiased std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3);
+    # the failed response gets 0. Group [NaN, 1, NaN, NaN]: one reward, no baseline: all 0.
+    # Group [0, 1, 0, 1]: as without any NaN in the batch, (r - 0.5) / sqrt(1/3).
+    nan = math.nan
+    rewards = torch.tensor([1.0, nan, 0, 0, nan, 1, nan, nan, 0, 1, 0, 1])
+    centred = grpo.group_normalize(rewards, 4, 0.0, False)
+    assert centred.tolist() == pytest.approx(
+        [2 / 3, 0, -1 / 3, -1 / 3, 0, 0, 0, 0, -0.5, 0.5, -0.5, 0.5]
+    )
+    advantages = grpo.group_normalize(rewards, 4, 0.0, True)
+    s = math.sqrt(1 / 3)
+    expected = [
+        2 / 3 / s,
+        0,
+        -1 / 3 / s,
+        -1 / 3 / s,
+        0,
+        0,
+        0,
+        0,
+        -0.5 / s,
+        0.5 / s,
+        -0.5 / s,
+        0.5 / s,
+    ]
+    assert advantages.tolist() == pytest.approx(expected)
+    assert not advantages.isnan().any()
+    # the graded group alone gives the same numbers as in a batch with no failure
+    alone = grpo.group_normalize(torch.tensor([0.0, 1, 0, 1]), 4, 0.0, True)
+    assert advantages[8:].tolist() == pytest.approx(alone.tolist())
+
+
+def test_a_judges_failures_are_counted_and_too_many_stop_the_run():
+    class Judge:
+        base_url = "http://127.0.0.1:9/v1"
+
+        def take_stats(self):
+            return {"judge/calls": 4}
+
+    scores = [{"reward": 1.0, "judge_failed": 0.0}] * 4
+    scores += [{"reward": math.nan, "judge_failed": 1.0, "judge_error": "ReadTimeout"}]
+    assert grpo.judge_failures(scores, None, 0.2) == {}
+    metrics = grpo.judge_failures(scores, Judge(), 0.2)
+    assert metrics == {"rollout/judge_failures": 0.2, "judge/calls": 4}
+    with pytest.raises(RuntimeError, match="127.0.0.1:9.*2 of 6.*ReadTimeout"):
+        grpo.judge_failures(scores + scores[-1:], Judge(), 0.2)
+
+
+def test_a_response_the_judge_failed_to_grade_is_not_trained_on():
+    # Group 0 [1, NaN, 0, 0]: its graded rows train; group 1 [NaN, 1, 1, NaN]: the graded two are
+    # equal, no signal; group 2 [0, 1, 0, 1]: every row. Without a NaN the rows stand as given.
+    nan = math.nan
+    rewards = torch.tensor([1.0, nan, 0, 0, nan, 1, 1, nan, 0, 1, 0, 1])
+    advantages = grpo.group_normalize(rewards, 4, 1e-6, True)
+    rows = grpo.graded_rows([8, 9, 10, 11], rewards, advantages, 4)
+    assert rows == [0, 2, 3, 8, 9, 10, 11]
+    clean = torch.tensor([0.0, 1, 0, 1])
+    assert grpo.graded_rows([0, 1], clean, grpo.group_normalize(clean, 4, 1e-6, True), 4) == [0, 1]
+    statistics = grpo.reward_statistics([{}] * 12, rewards, 4)
+    # the nine graded rewards: 1, 0, 0, 1, 1, 0, 1, 0, 1
+    assert statistics["reward_mean"] == pytest.approx(5 / 9)
+    assert (statistics["reward_min"], statistics["reward_max"]) == (0.0, 1.0)
+
+
 # --- the per-token policy-gradient losses ---
 
 
