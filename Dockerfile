@@ -13,4 +13,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap && r
 COPY requirements.txt .
 RUN pip install --no-cache-dir -r requirements.txt
 COPY . .
+# .dockerignore leaves .git out: system.jsonl's commit comes from the build,
+# `docker build --build-arg GIT_COMMIT=$(git rev-parse HEAD) .`
+ARG GIT_COMMIT
+ENV NANORLVR_GIT_COMMIT=$GIT_COMMIT
 ENTRYPOINT ["python"]

@@ -766,14 +766,14 @@ def init_vllm(
             # chunked prefill rewinds seeded generators, which fails on CPU
             enable_chunked_prefill=False,
         )
-    if "LOCAL_RANK" in os.environ:
-        # torchrun: every rank's engine is vLLM's rank 0 and would compile into one folder,
-        # torch_compile_cache/<hash>/rank_0_0 (vllm/compilation/backends.py:1084), all at once
-        cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-        rank_cache = os.path.join(cache, "vllm", f"rank{os.environ['LOCAL_RANK']}")
-        os.environ.setdefault("VLLM_CACHE_ROOT", rank_cache)
     # device_ids places the engine; the memory share is of that whole GPU
     gpu = torch.device(device).index or 0
+    # A compile cache per GPU index: vLLM's cache key ignores the index, but Inductor bakes the
+    # GPU's stream into the code, and a later run on another index would fail ("CUDA driver
+    # error: invalid argument"). Under torchrun it also keeps every rank's engine (each vLLM's
+    # rank 0) from compiling into one torch_compile_cache/<hash>/rank_0_0 at once.
+    cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(cache, "vllm", f"cuda{gpu}"))
     return LLM(
         **common,
         dtype="bfloat16",
@@ -966,6 +966,9 @@ RESUME_MAY_CHANGE = {
     "keep_checkpoints",
     "reload_tol",
     "rank_timeout_s",
+    # the judge's server may come back on another address, or slower
+    "judge_base_url",
+    "judge_timeout_s",
 }
 
 
@@ -1010,8 +1013,10 @@ def system_info() -> dict:
 
     def git(*command: str) -> str | None:
         try:
-            done = subprocess.run(["git", *command], cwd=here, capture_output=True, text=True)
-        except OSError:
+            done = subprocess.run(
+                ["git", *command], cwd=here, capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.TimeoutExpired):
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
@@ -1030,7 +1035,8 @@ def system_info() -> dict:
     isa = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
     return {
         "time": time.time(),
-        "git_commit": git("rev-parse", "HEAD"),
+        # a Docker image has no .git: its build passes the commit in (Dockerfile)
+        "git_commit": git("rev-parse", "HEAD") or os.environ.get("NANORLVR_GIT_COMMIT"),
         "git_dirty": None if status is None else bool(status),
         "python": sys.version.split()[0],
         "packages": packages,

@@ -1084,11 +1084,16 @@ def shared_prompt_log_probs(
     so the prompt runs once and no padding runs at all. The same numbers to float rounding where
     a row has tokens (tests/test_grpo.py); the padding's positions are 0. A group of G rows of
     prompt P and responses R_i costs P + sum R_i tokens, not G (P + max R_i)."""
+    attention = model.config._attn_implementation
+    if attention not in ("sdpa", "eager"):
+        # flash attention reads a 4D mask as a (batch, seq) padding mask, and indexes past it
+        raise ValueError(f"--share-prompt needs sdpa or eager attention, not {attention}")
     ids, labels, mask = micro["input_ids"], micro["labels"], micro["response_mask"]
     n, width = ids.shape
     device = ids.device
     n_prompt = int(mask[0].int().argmax()) + 1
-    ends = [int(row.nonzero().max()) + 1 for row in mask]  # each row's tokens: ids[i, :end]
+    # each row's tokens are ids[i, :end]: one copy to the host, not one per row
+    ends = (width - mask.flip(1).int().argmax(1)).tolist()
     if not (ids[:, :n_prompt] == ids[:1, :n_prompt]).all():
         raise ValueError("shared_prompt_log_probs: the rows do not share their prompt")
     # one sequence: the prompt (segment 0), then each row's own tokens (segment i + 1), at the
@@ -1107,7 +1112,7 @@ def shared_prompt_log_probs(
         blocked = torch.finfo(torch.float32).min
         sees = torch.zeros(sees.shape, device=device).masked_fill(~sees, blocked)
     hidden = model.base_model(
-        packed[None], attention_mask=sees[None, None], position_ids=positions[None]
+        packed[None], attention_mask=sees[None, None], position_ids=positions[None], use_cache=False
     ).last_hidden_state[0]  # (N, H)
     # which (row, position) of the (n, T) layout each hidden state predicts: the prompt's
     # positions once (their labels are the prompt's), its last once per row, then each row's own
@@ -1261,14 +1266,14 @@ def init_vllm(
             # chunked prefill rewinds seeded generators, which fails on CPU
             enable_chunked_prefill=False,
         )
-    if "LOCAL_RANK" in os.environ:
-        # torchrun: every rank's engine is vLLM's rank 0 and would compile into one folder,
-        # torch_compile_cache/<hash>/rank_0_0 (vllm/compilation/backends.py:1084), all at once
-        cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-        rank_cache = os.path.join(cache, "vllm", f"rank{os.environ['LOCAL_RANK']}")
-        os.environ.setdefault("VLLM_CACHE_ROOT", rank_cache)
     # device_ids places the engine; the memory share is of that whole GPU
     gpu = torch.device(device).index or 0
+    # A compile cache per GPU index: vLLM's cache key ignores the index, but Inductor bakes the
+    # GPU's stream into the code, and a later run on another index would fail ("CUDA driver
+    # error: invalid argument"). Under torchrun it also keeps every rank's engine (each vLLM's
+    # rank 0) from compiling into one torch_compile_cache/<hash>/rank_0_0 at once.
+    cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(cache, "vllm", f"cuda{gpu}"))
     return LLM(
         **common,
         dtype="bfloat16",
@@ -1461,6 +1466,9 @@ RESUME_MAY_CHANGE = {
     "keep_checkpoints",
     "reload_tol",
     "rank_timeout_s",
+    # the judge's server may come back on another address, or slower
+    "judge_base_url",
+    "judge_timeout_s",
 }
 
 
@@ -1505,8 +1513,10 @@ def system_info() -> dict:
 
     def git(*command: str) -> str | None:
         try:
-            done = subprocess.run(["git", *command], cwd=here, capture_output=True, text=True)
-        except OSError:
+            done = subprocess.run(
+                ["git", *command], cwd=here, capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.TimeoutExpired):
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
@@ -1525,7 +1535,8 @@ def system_info() -> dict:
     isa = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
     return {
         "time": time.time(),
-        "git_commit": git("rev-parse", "HEAD"),
+        # a Docker image has no .git: its build passes the commit in (Dockerfile)
+        "git_commit": git("rev-parse", "HEAD") or os.environ.get("NANORLVR_GIT_COMMIT"),
         "git_dirty": None if status is None else bool(status),
         "python": sys.version.split()[0],
         "packages": packages,

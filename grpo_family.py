@@ -142,7 +142,19 @@ class Args:
     """IFEval training prompts: the reward's share paid per instruction followed (0: all or
     nothing, lm-eval's prompt-level strict; 1: the fraction; data.load_task). Eval stays strict."""
     vllm_importance_sampling_cap: float | None = 2.0
-    """truncated IS of the engine's numerics; None: off"""
+    """truncated IS of the engine's numerics, the weight's upper threshold (--is-mode); None: off"""
+    is_level: str = "token"
+    """token | sequence: the engine's IS weight per token, or one per response (their product)"""
+    is_mode: str = "truncate"
+    """truncate (min(w, cap), verl's TIS) | mask (0 above cap) | icepop (0 outside [is_low, cap])"""
+    is_low: float = 0.5
+    """--is-mode icepop: the weight's lower threshold (IcePop's band: 0.5 to a cap of 5)"""
+    kl_is_correction: bool = False
+    """DeepSeek-V3.2's unbiased KL: the k3 term times p / p_old (with --beta)"""
+    off_policy_seq_mask: float | None = None
+    """DeepSeek-V3.2: leave out responses with A < 0 whose mean log(p_engine / p) is above this"""
+    reward_aggregation: str = "sum"
+    """sum (the verifier's reward) | gdpo (each component normalised in its group: GDPO)"""
     # --- judge (docs/tasks.md) ---
     judge_model: str | None = None
     """a model that grades the train responses against a rubric (verifiers.Judge); None: the rules"""
@@ -613,6 +625,135 @@ def aggregate_loss(
     return (per_token_loss * mask / divisor).sum()
 
 
+IS_LEVELS = ("token", "sequence")
+IS_MODES = ("truncate", "mask", "icepop")
+
+
+def engine_mismatch_weights(
+    old_log_probs: torch.Tensor,
+    engine_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str,
+    mode: str,
+    low: float,
+    cap: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The engine's importance weight w = p_old / p_engine per token (B, T), or per response (its
+    product over the response's tokens, on each of them), detached, and what it did (B, T):
+        truncate  min(w, cap)                  (verl's TIS; token level: engine_importance_weights)
+        mask      w, 0 where w > cap           (TRL's token_mask, sequence_mask)
+        icepop    w, 0 outside [low, cap]      (IcePop, two-sided)
+    "above_is_cap": where w was capped or masked; "is_weight": the weight (not at the default).
+    With ratios [1/4, 1, 3] and a cap of 2: truncate [1/4, 1, 2], mask [1/4, 1, 0], icepop with
+    low 1/2 [0, 1, 0]; at the sequence level the ratio is 3/4 on every token."""
+    if level == "token" and mode == "truncate":
+        weights, above_cap = engine_importance_weights(old_log_probs, engine_log_probs, cap)
+        return weights, {"above_is_cap": above_cap}
+    log_ratio = (old_log_probs - engine_log_probs) * response_mask  # (B, T)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    ratio = torch.exp(log_ratio).detach()
+    outside = log_ratio > math.log(cap)
+    if mode == "icepop":
+        outside |= ratio < low
+    weights = ratio.clamp(max=cap) if mode == "truncate" else ratio.masked_fill(outside, 0.0)
+    return weights, {"above_is_cap": outside, "is_weight": weights}
+
+
+def compute_k3_kl_is(
+    policy_log_probs: torch.Tensor, ref_log_probs: torch.Tensor, old_log_probs: torch.Tensor
+) -> torch.Tensor:
+    """DeepSeek-V3.2's unbiased KL (arXiv:2512.02556, eq. 8): the k3 estimate times p / p_old,
+    (B, T). The tokens were sampled from p_old; the ratio, with its gradient, makes the estimate
+    and its gradient those of KL(p || p_ref) also off-policy (plain k3's gradient, even on-policy,
+    is that of KL(p_ref || p))."""
+    ratio = torch.exp(policy_log_probs - old_log_probs)
+    return ratio * compute_k3_kl(policy_log_probs, ref_log_probs)
+
+
+def off_policy_sequence_mask(
+    advantages: torch.Tensor,
+    policy_log_probs: torch.Tensor,
+    engine_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    delta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3.2's off-policy sequence masking (eq. 9): a response is left out of the loss if
+    its advantage is negative and its sampler has drifted from the policy, mean_t log(p_engine /
+    p) > delta. Returns (B, 1) each: the mask (1: kept) and that mean, the KL it thresholds. A
+    response with A >= 0 is always kept: learning from one's own good samples is safe."""
+    mask = response_mask.to(policy_log_probs.dtype)
+    log_ratio = engine_log_probs - policy_log_probs.detach()
+    kl = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1)  # (B, 1)
+    keep = (advantages.reshape(-1, 1) >= 0) | (kl <= delta)
+    return keep, kl
+
+
+# GDPO's components, by column of reward_components
+COMPONENTS = ("format", "answer", "instruction")
+
+
+def reward_components(scores: list[dict], partial_credit: float) -> tuple[torch.Tensor, ...]:
+    """The verifier's reward dicts as the components GDPO normalises one by one: (values,
+    weights), (B, K) each, columns: format_reward (weight 1), answer_reward (1; IFEval: every
+    instruction followed, 1 - partial_credit), then IFEval's instructions one a column
+    (partial_credit / their number; verifiers.ifeval_reward's "strict"). Where a response has no
+    such column, 0 with weight 0."""
+    n_columns = 2 + max(len(s.get("strict", [])) for s in scores)
+    values = torch.zeros(len(scores), n_columns)
+    weights = torch.zeros(len(scores), n_columns)
+    for i, s in enumerate(scores):
+        strict = s.get("strict", [])
+        answer = float(all(strict)) if strict else s["answer_reward"]
+        values[i, :2] = torch.tensor([s["format_reward"], answer])
+        weights[i, :2] = torch.tensor([1.0, 1.0 - partial_credit if strict else 1.0])
+        values[i, 2 : 2 + len(strict)] = torch.tensor(strict, dtype=torch.float32)
+        weights[i, 2 : 2 + len(strict)] = partial_credit / max(len(strict), 1)
+    return values, weights
+
+
+def gdpo_advantages(
+    values: torch.Tensor,
+    weights: torch.Tensor,
+    group_size: int,
+    eps: float,
+    normalize_by_std: bool,
+) -> torch.Tensor:
+    """GDPO (Liu et al. 2026, arXiv:2601.05242): each component normalised within its group
+    (group_normalize), the weighted sum, then normalised over the whole batch: (B, K) -> (B,).
+    Groups of 3, format [1, 1, 0 | 1, 1, 1] and answer [1, 0, 0 | 1, 0, 0], weights 1:
+        format, normalised  [0.577, 0.577, -1.155 | 0, 0, 0]
+        answer, normalised  [1.155, -0.577, -0.577 | 1.155, -0.577, -0.577]
+        sum                 [1.732, 0, -1.732 | 1.155, -0.577, -0.577]   (batch std 1.265)
+        / the batch's std   [1.369, 0, -1.369 | 0.913, -0.456, -0.456]
+    GRPO on the answer alone gives responses 2 and 3 the same advantage: the format is lost."""
+    columns = []
+    for k in range(values.shape[1]):
+        columns.append(group_normalize(values[:, k], group_size, eps, normalize_by_std))
+    summed = (torch.stack(columns, dim=1) * weights).sum(dim=1)  # (B,)
+    return (summed - summed.mean()) / (summed.std() + eps)
+
+
+def component_metrics(values: torch.Tensor, weights: torch.Tensor, group_size: int) -> dict:
+    """rollout/gdpo_<component>_mean, _group_std (the mean std within a group) and
+    _frac_zero_std (the share of groups where it does not vary: no signal from it), over the
+    responses that have the component (IFEval's instructions pooled)."""
+    metrics = {}
+    for k, name in enumerate(COMPONENTS):
+        columns = values[:, k:] if name == "instruction" else values[:, k : k + 1]
+        has = weights[:, k:] if name == "instruction" else weights[:, k : k + 1]
+        # (n_groups, G, K'): a group's responses share their columns
+        grouped = columns.reshape(-1, group_size, columns.shape[1])
+        present = has.reshape(-1, group_size, has.shape[1])[:, 0] > 0  # (n_groups, K')
+        if not present.any():
+            continue
+        std = grouped.std(dim=1)[present]
+        metrics[f"rollout/gdpo_{name}_mean"] = grouped.mean(dim=1)[present].mean().item()
+        metrics[f"rollout/gdpo_{name}_group_std"] = std.mean().item()
+        metrics[f"rollout/gdpo_{name}_frac_zero_std"] = (std == 0).float().mean().item()
+    return metrics
+
+
 # --- ALGORITHM: the learning rate and the optimizer step (same in sft.py, expert_iter.py, grpo.py, grpo_family.py, distill.py, grpo_tools.py, grpo_async.py) ---
 
 
@@ -793,11 +934,24 @@ def grpo_update(
             engine_log_probs = micro["engine_log_probs"]
             if args.vllm_importance_sampling_cap is not None:
                 cap = args.vllm_importance_sampling_cap
-                weights, above_cap = engine_importance_weights(old, engine_log_probs, cap)
+                weights, is_stats = engine_mismatch_weights(
+                    old, engine_log_probs, mask, args.is_level, args.is_mode, args.is_low, cap
+                )
                 per_token_loss = per_token_loss * weights
-                stats["above_is_cap"] = above_cap
+                stats.update(is_stats)
+            # DeepSeek-V3.2: a response with A < 0 whose sampler drifted from p is left out
+            if args.off_policy_seq_mask is not None:
+                keep, stats["seq_kl"] = off_policy_sequence_mask(
+                    micro["advantages"], log_probs, engine_log_probs, mask, args.off_policy_seq_mask
+                )
+                per_token_loss = per_token_loss * keep
+                stats["off_policy_masked"] = ~keep
             if args.beta > 0:
-                kl = compute_k3_kl(log_probs, ref_log_probs[micro_rows, :width])  # (b, T)
+                ref = ref_log_probs[micro_rows, :width]
+                if args.kl_is_correction:
+                    kl = compute_k3_kl_is(log_probs, ref, old)
+                else:
+                    kl = compute_k3_kl(log_probs, ref)  # (b, T)
                 per_token_loss = per_token_loss + args.beta * kl
                 stats["kl"] = kl.detach()
             loss = aggregate_loss(
@@ -839,6 +993,9 @@ TOKEN_MEANS = {
     "kl": "train/kl",
     "engine_gap": "train/engine_logprob_gap",
     "above_is_cap": "train/frac_above_is_cap",
+    "is_weight": "train/is_weight",
+    "seq_kl": "train/off_policy_seq_kl",
+    "off_policy_masked": "train/frac_off_policy_masked",
 }
 
 
@@ -967,8 +1124,17 @@ def main(args: Args) -> Path:
         advantages = group_normalize(
             raw_rewards, args.group_size, args.advantage_eps, args.normalize_by_std
         )
+        # GDPO: the reward's components normalised one by one; a group varying in any has a signal
+        signal = raw_rewards
+        if args.reward_aggregation == "gdpo":
+            values, weights = reward_components(scores, args.ifeval_partial_credit)  # (B, K)
+            advantages = gdpo_advantages(
+                values, weights, args.group_size, args.advantage_eps, args.normalize_by_std
+            )
+            signal = advantages
+            metrics.update(component_metrics(values, weights, args.group_size))
         truncated = [c.finish_reason == "length" for c in completions]
-        rows = responses_to_train(raw_rewards, truncated, n_prompts, args)
+        rows = responses_to_train(signal, truncated, n_prompts, args)
         # a response the judge failed to grade is not trained on
         rows = [i for i in rows if not raw_rewards[i].isnan()]
         write_rollouts(
@@ -1105,6 +1271,24 @@ def check_args(args: Args) -> None:
         (
             not 0 <= args.ifeval_partial_credit <= 1,
             "ifeval_partial_credit must be in [0, 1]",
+        ),
+        (args.is_level not in IS_LEVELS, f"unknown is_level; choose from {IS_LEVELS}"),
+        (args.is_mode not in IS_MODES, f"unknown is_mode; choose from {IS_MODES}"),
+        (
+            args.vllm_importance_sampling_cap is not None
+            and not 0 <= args.is_low < args.vllm_importance_sampling_cap,
+            "is_low must be in [0, vllm_importance_sampling_cap)",
+        ),
+        (args.kl_is_correction and args.beta <= 0, "kl_is_correction corrects the KL: set beta"),
+        (
+            args.reward_aggregation not in ("sum", "gdpo"),
+            "unknown reward_aggregation; choose from sum, gdpo",
+        ),
+        (
+            args.reward_aggregation == "gdpo"
+            and (args.loss_type == "no_baseline" or args.overlong_buffer or args.judge_model),
+            "reward_aggregation gdpo normalises the verifier's components: not with no_baseline,"
+            " the overlong penalty or a judge",
         ),
         (
             args.lr_schedule not in ("constant", "cosine"),
@@ -1268,11 +1452,16 @@ def shared_prompt_log_probs(
     so the prompt runs once and no padding runs at all. The same numbers to float rounding where
     a row has tokens (tests/test_grpo.py); the padding's positions are 0. A group of G rows of
     prompt P and responses R_i costs P + sum R_i tokens, not G (P + max R_i)."""
+    attention = model.config._attn_implementation
+    if attention not in ("sdpa", "eager"):
+        # flash attention reads a 4D mask as a (batch, seq) padding mask, and indexes past it
+        raise ValueError(f"--share-prompt needs sdpa or eager attention, not {attention}")
     ids, labels, mask = micro["input_ids"], micro["labels"], micro["response_mask"]
     n, width = ids.shape
     device = ids.device
     n_prompt = int(mask[0].int().argmax()) + 1
-    ends = [int(row.nonzero().max()) + 1 for row in mask]  # each row's tokens: ids[i, :end]
+    # each row's tokens are ids[i, :end]: one copy to the host, not one per row
+    ends = (width - mask.flip(1).int().argmax(1)).tolist()
     if not (ids[:, :n_prompt] == ids[:1, :n_prompt]).all():
         raise ValueError("shared_prompt_log_probs: the rows do not share their prompt")
     # one sequence: the prompt (segment 0), then each row's own tokens (segment i + 1), at the
@@ -1291,7 +1480,7 @@ def shared_prompt_log_probs(
         blocked = torch.finfo(torch.float32).min
         sees = torch.zeros(sees.shape, device=device).masked_fill(~sees, blocked)
     hidden = model.base_model(
-        packed[None], attention_mask=sees[None, None], position_ids=positions[None]
+        packed[None], attention_mask=sees[None, None], position_ids=positions[None], use_cache=False
     ).last_hidden_state[0]  # (N, H)
     # which (row, position) of the (n, T) layout each hidden state predicts: the prompt's
     # positions once (their labels are the prompt's), its last once per row, then each row's own
@@ -1445,14 +1634,14 @@ def init_vllm(
             # chunked prefill rewinds seeded generators, which fails on CPU
             enable_chunked_prefill=False,
         )
-    if "LOCAL_RANK" in os.environ:
-        # torchrun: every rank's engine is vLLM's rank 0 and would compile into one folder,
-        # torch_compile_cache/<hash>/rank_0_0 (vllm/compilation/backends.py:1084), all at once
-        cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
-        rank_cache = os.path.join(cache, "vllm", f"rank{os.environ['LOCAL_RANK']}")
-        os.environ.setdefault("VLLM_CACHE_ROOT", rank_cache)
     # device_ids places the engine; the memory share is of that whole GPU
     gpu = torch.device(device).index or 0
+    # A compile cache per GPU index: vLLM's cache key ignores the index, but Inductor bakes the
+    # GPU's stream into the code, and a later run on another index would fail ("CUDA driver
+    # error: invalid argument"). Under torchrun it also keeps every rank's engine (each vLLM's
+    # rank 0) from compiling into one torch_compile_cache/<hash>/rank_0_0 at once.
+    cache = os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(cache, "vllm", f"cuda{gpu}"))
     return LLM(
         **common,
         dtype="bfloat16",
@@ -1645,6 +1834,9 @@ RESUME_MAY_CHANGE = {
     "keep_checkpoints",
     "reload_tol",
     "rank_timeout_s",
+    # the judge's server may come back on another address, or slower
+    "judge_base_url",
+    "judge_timeout_s",
 }
 
 
@@ -1689,8 +1881,10 @@ def system_info() -> dict:
 
     def git(*command: str) -> str | None:
         try:
-            done = subprocess.run(["git", *command], cwd=here, capture_output=True, text=True)
-        except OSError:
+            done = subprocess.run(
+                ["git", *command], cwd=here, capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.TimeoutExpired):
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
@@ -1709,7 +1903,8 @@ def system_info() -> dict:
     isa = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
     return {
         "time": time.time(),
-        "git_commit": git("rev-parse", "HEAD"),
+        # a Docker image has no .git: its build passes the commit in (Dockerfile)
+        "git_commit": git("rev-parse", "HEAD") or os.environ.get("NANORLVR_GIT_COMMIT"),
         "git_dirty": None if status is None else bool(status),
         "python": sys.version.split()[0],
         "packages": packages,

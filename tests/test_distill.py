@@ -112,8 +112,8 @@ def test_the_update_with_share_prompt_is_the_plain_update(tiny_model_dir):
         policy, autocast = distill.load_policy(str(tiny_model_dir), "cpu", False, 0)
         start = {k: v.clone() for k, v in policy.state_dict().items()}
         optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
-        update_metrics, _ = distill.distill_update(
-            policy, teacher, optimizer, batch, lengths, 1.0, args, autocast, 0
+        update_metrics = distill.distill_update(
+            policy, teacher, optimizer, batch, lengths, 1.0, args, autocast
         )
         moved.append({k: start[k] - v for k, v in policy.state_dict().items()})
         metrics.append(update_metrics)

@@ -75,8 +75,8 @@ def one_update(model_dir: str, aggregation: str, n_rows: int) -> tuple[dict, dic
     optimizer = torch.optim.SGD(policy.parameters(), lr=args.lr)
     batch, lengths = rollout_batch(n_rows)
     lrs = [args.lr] * 4
-    metrics, _ = grpo_family.grpo_update(
-        policy, optimizer, batch, lengths, lrs, reference, args, 0, autocast, 0
+    metrics = grpo_family.grpo_update(
+        policy, optimizer, batch, lengths, lrs, reference, args, 0, autocast
     )
     return metrics, {k: v.detach().clone() for k, v in policy.state_dict().items()}
 

