@@ -87,15 +87,16 @@ def test_a_judged_run_learns_from_the_verdicts(tiny_model_dir, shared_data, tmp_
 def test_failures_are_counted_left_out_and_too_many_stop_the_run(
     tiny_model_dir, shared_data, tmp_path, judge_server
 ):
-    # Every fifth verdict is garbage (after the retries too): a failure, no reward, not trained on.
-    judge_server.script = (["garbage"] * 4 + [None] * 16) * 20
+    # The judge's first 32 answers are garbage: the first verdicts asked (8 at once, each tried 4
+    # times) fail, the rest pass. A failure is no reward, and not trained on.
+    judge_server.script = ["garbage"] * 32
     args = run_args(
         tiny_model_dir,
         shared_data,
         tmp_path,
         judge_server.url,
         n_grpo_steps=2,
-        judge_max_failures=0.5,
+        judge_max_failures=0.75,
     )
     run = grpo.main(args)
     groups = read_jsonl(run / "rollouts.jsonl")
@@ -170,18 +171,36 @@ def test_judged_and_blended_runs_against_vllms_server(
     vllm_judge,  # noqa: F811
 ):
     # The tiny model as its own judge, through vLLM's structured outputs (a label is all it can
-    # write): arbitrary verdicts, but verdicts, so none fails. Blended, each reward is half the
-    # IFEval checker's and half the judge's.
+    # write): verdicts, so none fails. Greedy, the random model gives every response the same
+    # label: alone (weight 1) the judge has no signal, and no group trains; blended, each reward
+    # is half the IFEval checker's partial credit and half the verdict, and the groups differ.
     args = run_args(
-        tiny_model_dir, shared_data, tmp_path, vllm_judge, model="tiny", judge_weight=weight
+        tiny_model_dir,
+        shared_data,
+        tmp_path,
+        vllm_judge,
+        model="tiny",
+        judge_weight=weight,
+        ifeval_partial_credit=1.0,
     )
-    if weight < 1:
-        args = grpo.replace(args, ifeval_partial_credit=1.0)
     run = grpo.main(args)
     metrics = [m for m in read_jsonl(run / "metrics.jsonl") if "rollout/judge_failures" in m]
     assert len(metrics) == 3
     assert all(m["rollout/judge_failures"] == 0 and m["judge/calls"] > 0 for m in metrics)
     assert all(m["judge/tokens_in"] > 0 for m in metrics)
     groups = read_jsonl(run / "rollouts.jsonl")
+    labels = {float(label) for label in grpo.verifiers.JUDGE_SCORES}
+    if weight == 1:
+        assert {r for g in groups for r in g["rewards"]} <= labels
+        return
+    # (1 - w) x the checker's share of instructions followed + w x a label
+    checker = [
+        grpo.verifiers.ifeval_reward(r, {**g_answer, "partial_credit": 1.0})["reward"]
+        for g, g_answer in ((g, g["answer"]) for g in groups)
+        for r in g["responses"]
+    ]
+    rewards = [r for g in groups for r in g["rewards"]]
+    verdicts = [(r - 0.5 * c) / 0.5 for r, c in zip(rewards, checker, strict=True)]
+    assert all(min(abs(v - label) for label in labels) < 1e-5 for v in verdicts)
     assert any(len(set(g["rewards"])) > 1 for g in groups)
     assert moved(run, tiny_model_dir) > 1e-4
