@@ -5,9 +5,10 @@ score or a counted failure, never a silent high score; every fault (a hang past 
 with Retry-After, 500, garbage, a dropped connection, a refusal, chatter, a server without
 structured output) retried or counted, and a failure NaN, never 0; the cache (a second pass, or a
 resumed run, makes no call); the blend; the flags' errors. Against vLLM's own server on the tiny
-model: structured output gives a verdict every time, and the red-team table in plain text, where
-the random model's replies are no verdicts: counted failures, never a high score. eval.py's
-agreement table and Cohen's kappa, by hand and end to end."""
+model: vLLM's choice gives a verdict every time (the random model's: always 1), the red-team table
+in plain text, where its replies are no verdicts (counted failures, never a high score), and eval.py
+with it as student and judge. eval.py's agreement table and Cohen's kappa, by hand and end to
+end."""
 
 import json
 import math
@@ -65,13 +66,10 @@ def outcome(verdict: dict) -> str:
     if verdict["judge_failed"]:
         assert math.isnan(verdict["judge_reward"]) and verdict["judge_error"]
         return "failure"
-    return (
-        "high"
-        if verdict["judge_reward"] >= 0.75
-        else "low"
-        if verdict["judge_reward"] <= 0.25
-        else "mid"
-    )
+    score = verdict["judge_reward"]
+    if score >= 0.75:
+        return "high"
+    return "low" if score <= 0.25 else "mid"
 
 
 @pytest.mark.parametrize("structured", list(verifiers.STRUCTURED))
