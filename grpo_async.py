@@ -449,17 +449,19 @@ def engine_importance_weights(
 
 def start_engine_thread() -> queue.Queue:
     """A daemon thread that runs the jobs put in the returned queue as (future, fn, args), one at
-    a time and in order, each result (or exception) into its future. A daemon: a hung job cannot
-    keep the process alive after the trainer stops."""
+    a time and in order, each result (or exception) into its future, until it takes None. A
+    daemon: a hung job cannot keep the process alive after the trainer stops."""
     jobs = queue.Queue()
 
     def work() -> None:
-        while True:
-            future, fn, args = jobs.get()
+        while (job := jobs.get()) is not None:
+            future, fn, args = job
             try:
                 future.set_result(fn(*args))
             except BaseException as error:
                 future.set_exception(error)
+            # the job's closure holds the engine: let it go before waiting for the next
+            del job, future, fn, args
 
     threading.Thread(target=work, name="engine", daemon=True).start()
     return jobs
@@ -478,6 +480,9 @@ def wait_for(future: Future, timeout_s: float):
     try:
         return future.result(timeout=timeout_s)
     except TimeoutError:
+        if future.done():
+            # the job's own TimeoutError (a verifier's socket, say), with its traceback
+            raise
         raise RuntimeError(
             f"the engine's thread gave no rollouts in {timeout_s:.0f} s (--engine-timeout-s)"
         ) from None
@@ -540,15 +545,20 @@ def frozen_log_probs(
     model, batch: dict, lengths: list[int], rows: list[int], args, autocast
 ) -> torch.Tensor:
     """log p of each label of these rows of a padded batch (n, T) under a frozen model, at
-    args.temperature in args.microbatch_size rows and the trainer's autocast; the other rows
-    stay 0."""
+    args.temperature in args.microbatch_size rows and the trainer's autocast, through the path
+    the trainer takes (--share-prompt's too: p / p_old starts at 1 but for the rows' grouping);
+    the other rows stay 0."""
     device = next(model.parameters()).device
     log_probs = torch.zeros(batch["labels"].shape, device=device)  # (n, T)
-    for chunk, micro in microbatches(batch, rows, lengths, args.microbatch_size, str(device)):
+    split = prompt_microbatches if args.share_prompt else microbatches
+    for chunk, micro in split(batch, rows, lengths, args.microbatch_size, str(device)):
         with torch.no_grad(), autocast:
-            out = get_response_log_probs(
-                model, micro["input_ids"], micro["labels"], temperature=args.temperature
-            )
+            if args.share_prompt:
+                out = shared_prompt_log_probs(model, micro, temperature=args.temperature)
+            else:
+                out = get_response_log_probs(
+                    model, micro["input_ids"], micro["labels"], temperature=args.temperature
+                )
         width = micro["labels"].shape[1]
         log_probs[chunk, :width] = out["log_probs"].float()
     return log_probs
@@ -746,10 +756,12 @@ def main(args: Args) -> Path:
     model_path = str(checkpoints(run_dir)[-1]) if checkpoints(run_dir) else args.model
     print(f"run folder {run_dir}; trainer on {policy_device}, vLLM on {vllm_device}")
     if args.max_staleness and vllm_device == policy_device != "cpu":
-        # measured with bench/overlap_gpu.py: docs/async.md
-        message = f"the engine and the trainer share {vllm_device}: on one H100 two threads at once"
-        message += " took 1.7-2x as long as in turns (the interpreter lock)"
-        warnings.warn(f"{message}; --max-staleness 0", stacklevel=1)
+        # vLLM makes its stream the current one of every thread on its GPU, and the interpreter
+        # lock comes on top: the two sides cannot overlap there (docs/async.md)
+        raise ValueError(
+            f"the engine and the trainer share {vllm_device}, where sampling ahead cannot overlap"
+            " training: run with --max-staleness 0, or give the engine its own GPU (--vllm-device)"
+        )
     print(f"starting from {model_path}")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     task.tokenizer = tokenizer
@@ -910,7 +922,11 @@ def main(args: Args) -> Path:
         # --- 4. Reload the new weights into the engine and check that it follows them ---
         # the engine takes new weights between two jobs: first the ones sampling ahead end
         with timed(metrics, "wait_for_engine"):
-            ahead = [wait_for(future, args.engine_timeout_s) for future in sampled_ahead.values()]
+            # one --engine-timeout-s for them all, not one each
+            deadline = time.time() + args.engine_timeout_s
+            ahead = []
+            for future in sampled_ahead.values():
+                ahead.append(wait_for(future, max(deadline - time.time(), 0.0)))
         gap = None
         with timed(metrics, "reload"):
             # only if an update changed them
@@ -969,6 +985,8 @@ def main(args: Args) -> Path:
                 n_updates_done,
                 args.keep_checkpoints,
             )
+    # the engine's thread ends, and with it its hold on the engine
+    jobs.put(None)
     return run_dir
 
 

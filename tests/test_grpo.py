@@ -708,6 +708,39 @@ def test_the_update_with_share_prompt_is_the_plain_update(tiny_model_dir, monkey
         assert (ids[:, : len(prompt)] == torch.tensor(prompt)).all()
 
 
+def test_with_share_prompt_p_old_takes_the_shared_path_too(tiny_model_dir, monkeypatch):
+    # Two minibatches: p_old comes from a frozen pass before the first step. It must take the
+    # trainer's path, or the first minibatch's ratio is not 1 (under bf16 autocast, by bf16's
+    # rounding): every log-prob of the update, frozen or not, through shared_prompt_log_probs.
+    batch, lengths, _ = group_batch([9, 6], 4, seed=2)
+    paths = []
+    shared_fn, plain_fn = grpo.shared_prompt_log_probs, grpo.get_response_log_probs
+
+    def shared(model, micro, *args, **kwargs):
+        paths.append(("shared", torch.is_grad_enabled()))
+        return shared_fn(model, micro, *args, **kwargs)
+
+    def plain(*args, **kwargs):
+        paths.append(("plain", torch.is_grad_enabled()))
+        return plain_fn(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "shared_prompt_log_probs", shared)
+    monkeypatch.setattr(grpo, "get_response_log_probs", plain)
+    args = Args(
+        rollout_batch_size=8, group_size=4, train_batch_size=4, microbatch_size=4, share_prompt=True
+    )
+    policy, autocast = grpo.load_policy(str(tiny_model_dir), "cpu", False, 0)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    metrics = grpo.grpo_update(
+        policy, optimizer, batch, lengths, [0.0, 0.0], None, args, 0, autocast
+    )
+    assert metrics["train/n_updates"] == 2
+    assert {path for path, _ in paths} == {"shared"}
+    assert ("shared", False) in paths and ("shared", True) in paths  # p_old frozen, p trained
+    # lr 0: the second minibatch's policy is p_old too, so every ratio is 1 but for rounding
+    assert metrics["train/clip_fraction"] == 0
+
+
 def test_chunked_entropy_and_log_probs_at_temperature_one():
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 7) * 3

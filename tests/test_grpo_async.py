@@ -4,8 +4,10 @@ corrects them; a resumed run replays the rollouts sampled ahead; a dead or hung 
 stops the run with its error. Whole runs with a real engine on IFEval with partial credit, where
 a random tiny model's rewards differ within groups, so that the weights move."""
 
+import gc
 import json
 import threading
+import weakref
 
 import pytest
 import torch
@@ -162,3 +164,91 @@ def test_a_dead_or_hung_engine_thread_stops_the_run_with_its_error(
         release.set()
     # sampled in the engine's thread, not the trainer's
     assert calls == ["engine", "engine"]
+
+
+def test_a_jobs_own_timeout_error_is_its_own_and_the_thread_ends_on_none():
+    """wait_for raises a job's own TimeoutError (a verifier's socket, say) as it is, with its
+    traceback, not as the engine's timeout; and the engine's thread ends on None, holding no job."""
+    jobs = grpo_async.start_engine_thread()
+    (thread,) = [t for t in threading.enumerate() if t.name == "engine" and t.is_alive()][-1:]
+
+    def slow_socket():
+        raise TimeoutError("the sandbox's socket timed out")
+
+    with pytest.raises(TimeoutError, match="sandbox's socket") as raised:
+        grpo_async.wait_for(grpo_async.submit(jobs, slow_socket), 5)
+    assert "slow_socket" in str(raised.traceback[-1])
+    # a job that does not end in time is the engine's timeout
+    hang = threading.Event()
+    with pytest.raises(RuntimeError, match="gave no rollouts in 0 s"):
+        grpo_async.wait_for(grpo_async.submit(jobs, hang.wait, 10), 0.1)
+    hang.set()
+
+    # the closure a job held is let go, and None ends the thread
+    class Engine:
+        pass
+
+    engine = Engine()
+    held = weakref.ref(engine)
+    assert grpo_async.wait_for(grpo_async.submit(jobs, lambda e: type(e).__name__, engine), 5)
+    del engine
+    gc.collect()
+    assert held() is None
+    jobs.put(None)
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_the_engine_and_the_trainer_on_one_gpu_refuse_to_sample_ahead(
+    tiny_model_dir, shared_data, tmp_path, monkeypatch
+):
+    # On one GPU the two sides cannot overlap (vLLM's stream is every thread's, and the interpreter
+    # lock): a staleness above 0 stops, naming --max-staleness 0, before any engine starts.
+    shared = ("cuda:0", "cuda:0", 0.3, 0.5, False)
+    monkeypatch.setattr(grpo_async, "resolve_devices", lambda args: shared)
+    monkeypatch.setattr(grpo_async, "init_vllm", lambda *a, **k: pytest.fail("an engine started"))
+    args = run_args(grpo_async, tiny_model_dir, shared_data, tmp_path, max_staleness=1)
+    with pytest.raises(ValueError, match="share cuda:0.*--max-staleness 0"):
+        grpo_async.main(args)
+
+
+def test_the_update_weights_each_token_by_its_capped_importance_ratio(tiny_model_dir):
+    """grpo_async's own update on rollouts whose sampler was off (staleness, or a bf16 engine):
+    engine log-probs offset from p_old by +-0.1 to +-1.5, so that some ratios p_old / p_engine
+    pass the cap of 2 and some fall below 1/2. One minibatch, on-policy (ratio 1): the loss is
+    sum -A_i min(p_old / p_engine, 2) / n_tokens, and its mean weight and share above the cap
+    are logged. Dropping the weight, removing the cap or truncating from below too would each
+    change these numbers."""
+    from test_grpo import rollout_batch
+
+    args = grpo_async.Args(
+        rollout_batch_size=8, group_size=2, train_batch_size=8, microbatch_size=3, max_grad_norm=1e9
+    )
+    batch, lengths = rollout_batch(8)
+    policy, autocast = grpo_async.load_policy(str(tiny_model_dir), "cpu", False, 0)
+    mask = batch["response_mask"]
+    with torch.no_grad():
+        old = grpo_async.get_response_log_probs(policy, batch["input_ids"], batch["labels"])
+    old = old["log_probs"]
+    g = torch.Generator().manual_seed(1)
+    offsets = (torch.rand(mask.shape, generator=g) * 1.4 + 0.1) * torch.sign(
+        torch.randn(mask.shape, generator=g)
+    )
+    batch["engine_log_probs"] = (old - offsets) * mask
+    weights = torch.exp(old - batch["engine_log_probs"]).clamp(max=2.0)
+    assert (weights[mask] > 2.0 - 1e-6).any() and (weights[mask] < 0.5).any()
+    n_tokens = mask.sum()
+    expected_loss = (-batch["advantages"] * weights * mask).sum() / n_tokens
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    metrics = grpo_async.grpo_update(
+        policy, optimizer, batch, lengths, [0.0], None, args, 0, autocast
+    )
+    assert metrics["train/loss"] == pytest.approx(expected_loss.item(), rel=1e-4, abs=1e-6)
+    assert metrics["train/is_weight_mean"] == pytest.approx(
+        (weights * mask).sum().item() / n_tokens.item(), rel=1e-4
+    )
+    above = ((old - batch["engine_log_probs"] > torch.log(torch.tensor(2.0))) & mask).sum()
+    assert metrics["train/frac_above_is_cap"] == pytest.approx(above.item() / n_tokens.item())
+    mean = (weights * mask).sum() / n_tokens
+    std = (((weights - mean) ** 2 * mask).sum() / n_tokens).sqrt()
+    assert metrics["train/is_weight_std"] == pytest.approx(std.item(), rel=1e-3)
