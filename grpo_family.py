@@ -737,20 +737,18 @@ def gdpo_advantages(
 def component_metrics(values: torch.Tensor, weights: torch.Tensor, group_size: int) -> dict:
     """rollout/gdpo_<component>_mean, _group_std (the mean std within a group) and
     _frac_zero_std (the share of groups where it does not vary: no signal from it), over the
-    responses that have the component (IFEval's instructions pooled)."""
+    groups that have the component (IFEval's instructions pooled)."""
     metrics = {}
-    for k, name in enumerate(COMPONENTS):
-        columns = values[:, k:] if name == "instruction" else values[:, k : k + 1]
-        has = weights[:, k:] if name == "instruction" else weights[:, k : k + 1]
-        # (n_groups, G, K'): a group's responses share their columns
-        grouped = columns.reshape(-1, group_size, columns.shape[1])
-        present = has.reshape(-1, group_size, has.shape[1])[:, 0] > 0  # (n_groups, K')
-        if not present.any():
-            continue
-        std = grouped.std(dim=1)[present]
-        metrics[f"rollout/gdpo_{name}_mean"] = grouped.mean(dim=1)[present].mean().item()
-        metrics[f"rollout/gdpo_{name}_group_std"] = std.mean().item()
-        metrics[f"rollout/gdpo_{name}_frac_zero_std"] = (std == 0).float().mean().item()
+    for k, name in enumerate(COMPONENTS[: values.shape[1]]):
+        columns = slice(k, None) if name == "instruction" else slice(k, k + 1)
+        # (n_groups, G, K'): a group's responses share their columns and weights
+        grouped = values[:, columns].reshape(-1, group_size, values[:, columns].shape[1])
+        present = weights[::group_size, columns] > 0  # (n_groups, K')
+        if present.any():
+            std = grouped.std(dim=1)[present]
+            metrics[f"rollout/gdpo_{name}_mean"] = grouped.mean(dim=1)[present].mean().item()
+            metrics[f"rollout/gdpo_{name}_group_std"] = std.mean().item()
+            metrics[f"rollout/gdpo_{name}_frac_zero_std"] = (std == 0).float().mean().item()
     return metrics
 
 

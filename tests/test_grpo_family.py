@@ -24,7 +24,9 @@ from grpo_family import (
     Args,
     aggregate_loss,
     compute_k3_kl,
+    compute_k3_kl_is,
     compute_policy_gradient_loss,
+    gdpo_advantages,
     groups_with_signal,
 )
 
@@ -276,6 +278,211 @@ def test_argument_errors_before_the_engine_starts(overrides, message, monkeypatc
         grpo_family.main(Args(**overrides))
 
 
+# --- the engine/trainer mismatch: IS level and mode, DeepSeek-V3.2's KL and sequence mask ---
+
+
+def mismatch(ratios, level="token", mode="truncate", low=0.5, cap=2.0):
+    """engine_mismatch_weights on log p_old = log of the ratios, log p_engine = 0, with rows padded
+    by 0 (a padded token has ratio 0 here: the mask must leave it out of a sequence's product)."""
+    old = torch.tensor(ratios).log()
+    mask = old > -math.inf
+    old = old.masked_fill(~mask, 0.0)
+    return grpo_family.engine_mismatch_weights(
+        old, torch.zeros_like(old), mask, level, mode, low, cap
+    )
+
+
+def test_engine_mismatch_weights_by_hand():
+    # Row 0: ratios p_old / p_engine [1/4, 1, 3]; row 1: [3/2, 5/2] and padding. Cap 2, low 1/2.
+    ratios = [[0.25, 1.0, 3.0], [1.5, 2.5, 0.0]]
+    expected = {
+        # token: each ratio on its own
+        ("token", "truncate"): ([[0.25, 1, 2], [1.5, 2, 2]], [[0, 0, 1], [0, 1, 1]]),
+        ("token", "mask"): ([[0.25, 1, 0], [1.5, 0, 0]], [[0, 0, 1], [0, 1, 1]]),
+        ("token", "icepop"): ([[0, 1, 0], [1.5, 0, 0]], [[1, 0, 1], [0, 1, 1]]),
+        # sequence: the product, 1/4 x 1 x 3 = 3/4 and 3/2 x 5/2 = 15/4, on every token
+        ("sequence", "truncate"): ([[0.75] * 3, [2] * 3], [[0] * 3, [1] * 3]),
+        ("sequence", "mask"): ([[0.75] * 3, [0] * 3], [[0] * 3, [1] * 3]),
+        ("sequence", "icepop"): ([[0.75] * 3, [0] * 3], [[0] * 3, [1] * 3]),
+    }
+    for (level, mode), (weights, flagged) in expected.items():
+        w, stats = mismatch(ratios, level, mode)
+        mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+        assert torch.allclose(w * mask, torch.tensor(weights) * mask), (level, mode)
+        assert (stats["above_is_cap"] & mask).tolist() == (
+            torch.tensor(flagged).bool() & mask
+        ).tolist()
+    # icepop's lower bound: 3/4 < 0.8 masks the first sequence too
+    w, _ = mismatch(ratios, "sequence", "icepop", low=0.8)
+    assert w[0].tolist() == [0, 0, 0]
+
+
+def test_default_mismatch_weights_are_grpo_pys_bit_for_bit():
+    args = Args()
+    old, engine = torch.randn(3, 5), torch.randn(3, 5)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    w, stats = grpo_family.engine_mismatch_weights(
+        old,
+        engine,
+        mask,
+        args.is_level,
+        args.is_mode,
+        args.is_low,
+        args.vllm_importance_sampling_cap,
+    )
+    w_grpo, above_grpo = grpo_family.engine_importance_weights(old, engine, 2.0)
+    assert torch.equal(w, w_grpo) and torch.equal(stats["above_is_cap"], above_grpo)
+    assert set(stats) == {"above_is_cap"}  # the default logs what grpo.py logs
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_thresholds_that_admit_everything_mask_nothing(level):
+    old, engine = torch.randn(3, 5), torch.randn(3, 5)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    plain = None
+    for mode in ("truncate", "mask", "icepop"):
+        w, stats = grpo_family.engine_mismatch_weights(
+            old, engine, mask, level, mode, 0.0, math.inf
+        )
+        assert not stats["above_is_cap"].any()
+        plain = w if plain is None else plain
+        assert torch.allclose(w, plain)  # every mode is the plain importance ratio
+    keep, _ = grpo_family.off_policy_sequence_mask(
+        torch.tensor([-1.0, -1.0, 1.0]), old, engine, mask, math.inf
+    )
+    assert keep.all()
+
+
+def test_a_planted_mismatch_is_handled_as_each_paper_says():
+    # Four responses of 4 tokens; the trainer's p_old and p agree with the engine on every token
+    # but three: on token 1 of responses 0 and 2 the engine's log-prob is 1 lower (ratio p_old /
+    # p_engine = e = 2.718), on token 2 of response 1 it is 1 higher (ratio 1/e = 0.368).
+    old = torch.full((4, 4), -1.0)
+    engine = old.clone()
+    engine[0, 1] = engine[2, 1] = -2.0
+    engine[1, 2] = 0.0
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    e = math.e
+    cases = {
+        # TIS caps the high ratio at 2 and keeps the low one as a weight
+        ("token", "truncate"): {(0, 1): 2, (2, 1): 2, (1, 2): 1 / e},
+        # TRL's mask drops the tokens above the cap
+        ("token", "mask"): {(0, 1): 0, (2, 1): 0, (1, 2): 1 / e},
+        # IcePop drops both sides of [1/2, 2]
+        ("token", "icepop"): {(0, 1): 0, (2, 1): 0, (1, 2): 0},
+    }
+    for (level, mode), changed in cases.items():
+        w, _ = grpo_family.engine_mismatch_weights(old, engine, mask, level, mode, 0.5, 2.0)
+        expected = torch.ones(4, 4)
+        for index, value in changed.items():
+            expected[index] = value
+        assert torch.allclose(w, expected), (level, mode)
+    # the sequence level weighs the whole response by its product: e, 1/e, e, 1
+    rows = {"truncate": [2, 1 / e, 2, 1], "mask": [0, 1 / e, 0, 1], "icepop": [0, 0, 0, 1]}
+    for mode, row_weights in rows.items():
+        w, _ = grpo_family.engine_mismatch_weights(old, engine, mask, "sequence", mode, 0.5, 2.0)
+        assert torch.allclose(
+            w, torch.tensor(row_weights, dtype=torch.float32).unsqueeze(1).expand(4, 4)
+        ), mode
+    # DeepSeek-V3.2: mean_t log(p_engine / p) = [-1/4, 1/4, -1/4, 0]; with delta 0.1 only response
+    # 1 passes it, and it is left out only because its advantage is negative (response 3's A < 0
+    # too, but its sampler agrees)
+    keep, kl = grpo_family.off_policy_sequence_mask(
+        torch.tensor([1.0, -1.0, -1.0, -1.0]), old, engine, mask, 0.1
+    )
+    assert kl.squeeze(1).tolist() == pytest.approx([-0.25, 0.25, -0.25, 0.0])
+    assert keep.squeeze(1).tolist() == [True, False, True, True]
+    keep, _ = grpo_family.off_policy_sequence_mask(
+        torch.tensor([1.0, 1.0, -1.0, -1.0]), old, engine, mask, 0.1
+    )
+    assert keep.all()  # A >= 0 is always kept
+
+
+def test_corrected_kl_is_the_kl_and_its_gradient_off_policy():
+    # One position, a vocabulary of 3: the tokens are sampled from p_old, the loss is p's. The
+    # expectation over p_old of the corrected estimate, sum_v p_old(v) (p(v) / p_old(v)) k3(v),
+    # is KL(p || p_ref) = sum_v p(v) log(p(v) / p_ref(v)), and so is its gradient wrt p's
+    # logits. Plain k3 under p_old is neither.
+    p_old = torch.tensor([0.5, 0.3, 0.2])
+    p_ref = torch.tensor([0.2, 0.5, 0.3])
+    logits = torch.tensor([0.3, -0.2, 0.1], requires_grad=True)
+    log_p = torch.log_softmax(logits, dim=0)
+    exact = (log_p.exp() * (log_p - p_ref.log())).sum()
+    corrected = (p_old * compute_k3_kl_is(log_p, p_ref.log(), p_old.log())).sum()
+    plain = (p_old * compute_k3_kl(log_p, p_ref.log())).sum()
+    assert corrected.item() == pytest.approx(exact.item())
+    assert abs(plain.item() - exact.item()) > 0.01
+    (grad_exact,) = torch.autograd.grad(exact, logits, retain_graph=True)
+    (grad_corrected,) = torch.autograd.grad(corrected, logits, retain_graph=True)
+    assert torch.allclose(grad_corrected, grad_exact)
+    # on-policy (p_old = p, detached) the values agree, the gradients do not: plain k3's is that
+    # of KL(p_ref || p)
+    on_policy = log_p.detach()
+    plain = (on_policy.exp() * compute_k3_kl(log_p, p_ref.log())).sum()
+    corrected = (on_policy.exp() * compute_k3_kl_is(log_p, p_ref.log(), on_policy)).sum()
+    reverse = (p_ref * (p_ref.log() - log_p)).sum()
+    assert plain.item() == pytest.approx(corrected.item())
+    (grad_plain,) = torch.autograd.grad(plain, logits, retain_graph=True)
+    (grad_corrected,) = torch.autograd.grad(corrected, logits, retain_graph=True)
+    (grad_reverse,) = torch.autograd.grad(reverse, logits)
+    assert torch.allclose(grad_corrected, grad_exact) and torch.allclose(grad_plain, grad_reverse)
+    assert not torch.allclose(grad_plain, grad_exact)
+
+
+# --- GDPO: the reward's components normalised one by one ---
+
+
+def test_gdpo_advantages_by_hand():
+    # The docstring's 2 x 3 groups: format [1, 1, 0 | 1, 1, 1], answer [1, 0, 0 | 1, 0, 0].
+    # Group 0's format: mean 2/3, std 1/sqrt 3: [1, 1, -2] / sqrt 3; its answer [2, -1, -1] /
+    # sqrt 3; group 1's format does not vary (0). Sum [sqrt 3, 0, -sqrt 3, 2, -1, -1] / sqrt 3 has
+    # mean 0 and std sqrt(8 / 5): the advantages are the sum / sqrt 1.6.
+    values = torch.tensor([[1, 1], [1, 0], [0, 0], [1, 1], [1, 0], [1, 0]], dtype=torch.float32)
+    advantages = gdpo_advantages(values, torch.ones(6, 2), 3, 1e-6, True)
+    s3, s16 = math.sqrt(3), math.sqrt(1.6)
+    expected = [s3 / s16, 0, -s3 / s16, 2 / s3 / s16, -1 / s3 / s16, -1 / s3 / s16]
+    assert advantages.tolist() == pytest.approx(expected, abs=1e-5)
+    # GRPO on the verifier's reward (the answer) cannot tell response 1 (formatted) from 2
+    grpo = grpo_family.group_normalize(values[:, 1], 3, 1e-6, True)
+    assert grpo[1] == grpo[2] and advantages[1] > advantages[2]
+
+
+def test_gdpo_with_one_component_is_grpo():
+    # One component: its group-normalised advantages, then divided by one number for the whole
+    # batch (their std; their mean is 0): the same direction, the same order, every group's signs.
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.0, 0.25, 0.75, 0.5])
+    grpo = grpo_family.group_normalize(rewards, 4, 1e-6, True)
+    gdpo = gdpo_advantages(rewards.unsqueeze(1), torch.ones(12, 1), 4, 1e-6, True)
+    assert torch.allclose(gdpo, grpo / (grpo.std() + 1e-6), atol=1e-6)
+    # a weight scales a lone component away
+    assert torch.allclose(
+        gdpo_advantages(rewards.unsqueeze(1), torch.full((12, 1), 3.0), 4, 1e-6, True),
+        gdpo,
+        atol=1e-6,
+    )
+
+
+def test_reward_components_of_math_and_ifeval():
+    # A math answer: format and answer, weight 1 each. An IFEval response that followed
+    # instructions 1 and 3 of 3, with partial credit 1/2: reward 1/2 x 0 + 1/2 x 2/3 = 1/3, in parts
+    # all-followed 0 (weight 1/2) and each instruction (weight 1/6). The weighted parts after the
+    # format add up to the verifier's reward.
+    scores = [
+        {"reward": 1.0, "format_reward": 1.0, "answer_reward": 1.0},
+        {
+            "reward": 1 / 3,
+            "format_reward": 1.0,
+            "answer_reward": 1 / 3,
+            "strict": [True, False, True],
+        },
+    ]
+    values, weights = grpo_family.reward_components(scores, 0.5)
+    assert values.tolist() == [[1, 1, 0, 0, 0], [1, 0, 1, 0, 1]]
+    assert torch.allclose(weights, torch.tensor([[1, 1, 0, 0, 0], [1, 0.5] + [1 / 6] * 3]))
+    parts = (values * weights)[:, 1:].sum(dim=1)
+    assert parts.tolist() == pytest.approx([s["reward"] for s in scores])
+
+
 # --- end to end: the real engine on the tiny model ---
 
 
@@ -372,3 +579,58 @@ def test_non_finite_updates_are_skipped_then_stop_the_run(tiny_model_dir, tmp_pa
         pytest.raises(RuntimeError, match="3 non-finite updates"),
     ):
         grpo_family.main(args)
+
+
+@pytest.mark.usefixtures("small_train_split")
+def test_defaults_reproduce_grpo_py(tiny_model_dir, tmp_path, monkeypatch):
+    # Every metric grpo.py logs in a three-step run, rewards that differ within groups, is the
+    # family's, bit for bit: its flags at their defaults change nothing (the times aside). The
+    # family adds one, rollout/n_draws (dynamic sampling's).
+    import grpo
+
+    monkeypatch.setattr(grpo_family.verifiers, "score", letter_reward)
+    args = tiny_args(tiny_model_dir, tmp_path / "family")
+    family = read_jsonl(grpo_family.main(args) / "metrics.jsonl")
+    shared = {k: v for k, v in vars(args).items() if k in grpo.Args.__dataclass_fields__}
+    course = read_jsonl(
+        grpo.main(grpo.Args(**{**shared, "output_dir": str(tmp_path)})) / "metrics.jsonl"
+    )
+    assert len(family) == len(course) == 4
+    for ours, theirs in zip(family, course, strict=True):
+        assert set(ours) - set(theirs) <= {"rollout/n_draws"}
+        for key, value in theirs.items():
+            assert key.startswith("time/") or "per_second" in key or ours[key] == value, key
+    assert all(m["rollout/reward_std"] > 0 for m in family[1:])
+
+
+@pytest.mark.usefixtures("small_train_split")
+def test_a_planted_mismatch_in_a_run_is_masked_and_logged(tiny_model_dir, tmp_path, monkeypatch):
+    # The engine's log-prob of every sampled token raised by 1 nat (p_old / p_engine = 1/e): IcePop's
+    # band [1/2, 2] masks every token; DeepSeek-V3.2's mask, mean log(p_engine / p) ~ 1 > 0.5, leaves
+    # out the responses with A < 0 and keeps the others; GDPO logs the components (letter_reward's
+    # format is always 0: no signal from it); the corrected KL is logged.
+    monkeypatch.setattr(grpo_family.verifiers, "score", letter_reward)
+    collate = grpo_family.collate_rollouts
+
+    def planted(*a):
+        batch, lengths = collate(*a)
+        batch["engine_log_probs"] += batch["response_mask"]
+        return batch, lengths
+
+    monkeypatch.setattr(grpo_family, "collate_rollouts", planted)
+    flags = dict(
+        is_mode="icepop",
+        off_policy_seq_mask=0.5,
+        reward_aggregation="gdpo",
+        beta=0.04,
+        kl_is_correction=True,
+    )
+    run = grpo_family.main(tiny_args(tiny_model_dir, tmp_path, **flags))
+    for m in read_jsonl(run / "metrics.jsonl")[1:]:
+        assert m["train/frac_above_is_cap"] == 1.0 and m["train/is_weight"] == 0.0
+        assert m["train/off_policy_seq_kl"] == pytest.approx(1.0, abs=1e-3)
+        assert 0 < m["train/frac_off_policy_masked"] < 1
+        assert (
+            m["rollout/gdpo_format_frac_zero_std"] == 1.0 and m["rollout/gdpo_answer_group_std"] > 0
+        )
+        assert math.isfinite(m["train/kl"])
