@@ -1456,7 +1456,12 @@ class Task:
                 group for ex, group in zip(examples, rewards, strict=True) if ex["dataset"] == name
             ]
             metrics[f"rollout/{name}/count"] = len(drawn)
-            metrics[f"rollout/{name}/reward_mean"] = float(np.mean(drawn)) if drawn else math.nan
+            # a judge's failure (NaN) is no reward: the mean of the rewards there are
+            values = np.array(drawn, dtype=float)
+            if np.isnan(values).any():
+                values = values[~np.isnan(values)]
+            mean = float(np.mean(values)) if values.size else math.nan
+            metrics[f"rollout/{name}/reward_mean"] = mean
         return metrics
 
 

@@ -948,8 +948,12 @@ class Judge:
 
     def open_cache(self, run_dir) -> None:
         """Read run_dir/judge_cache.jsonl (the verdicts of an earlier, killed run) and append each
-        new verdict to it. A line cut short by a kill is skipped."""
-        self.cache_file = Path(run_dir) / "judge_cache.jsonl"
+        new verdict to it. A line cut short by a kill is skipped. Under torchrun each rank grades
+        its share, into a file of its own (judge_cache.rank<N>.jsonl): appends never interleave."""
+        name = "judge_cache.jsonl"
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            name = f"judge_cache.rank{os.environ.get('RANK', 0)}.jsonl"
+        self.cache_file = Path(run_dir) / name
         text = self.cache_file.read_text(encoding="utf-8") if self.cache_file.exists() else ""
         lines = text.splitlines()
         if not text.endswith("\n") and lines:

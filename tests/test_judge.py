@@ -238,6 +238,29 @@ def test_the_cache_on_disk_pays_no_call_twice_and_keeps_no_failure(tmp_path):
 # --- score_batch: judged examples graded and blended, the others untouched ---
 
 
+def test_under_torchrun_each_rank_caches_into_a_file_of_its_own(tmp_path, monkeypatch):
+    # each rank grades its share of a step: one file each, so that appends never interleave
+    server = JudgeServer()
+    judge = judge_for(server)
+    judge.open_cache(tmp_path)
+    assert judge.cache_file == tmp_path / "judge_cache.jsonl"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    judge.open_cache(tmp_path)
+    assert judge.cache_file == tmp_path / "judge_cache.rank1.jsonl"
+    server.shutdown()
+
+
+def test_a_datasets_rollout_mean_leaves_out_a_judges_failure():
+    task = types.SimpleNamespace(names=["ifeval", "gsm8k"])
+    examples = [{"dataset": "ifeval"}, {"dataset": "ifeval"}, {"dataset": "gsm8k"}]
+    rewards = [[1.0, math.nan], [0.0, 0.5], [math.nan, math.nan]]
+    metrics = data.Task.rollout_metrics(task, examples, rewards)
+    assert metrics["rollout/ifeval/reward_mean"] == 0.5  # (1 + 0 + 0.5) / 3
+    assert metrics["rollout/ifeval/count"] == 2
+    assert math.isnan(metrics["rollout/gsm8k/reward_mean"])  # nothing graded
+
+
 def test_score_batch_judges_the_marked_examples_and_leaves_the_others_bit_for_bit():
     server = JudgeServer()
     judge = judge_for(server, concurrency=1)  # one call at a time: the faults meet the 2nd item
