@@ -18,6 +18,10 @@ The family (docs/grpo_family.md: its table, and a run of each from one checkpoin
   --dynamic-sampling       draw questions until the batch has a signal, --max-draws at most (DAPO)
   --mask-truncated         leave responses cut off at --max-tokens out of the loss (DAPO)
   --no-drop-zero-variance-groups: train on the groups with no signal too.
+  --is-level, --is-mode    the engine's IS weight per token or response; truncate | mask | icepop
+  --kl-is-correction       the k3 KL times p / p_old: unbiased off-policy (DeepSeek-V3.2)
+  --off-policy-seq-mask    leave out A < 0 responses whose sampler drifted (DeepSeek-V3.2)
+  --reward-aggregation     sum | gdpo: each reward component normalised in its group (GDPO)
 `diff grpo.py grpo_family.py` shows what they add. train/loss sits near 0 while the model learns:
 watch rollout/reward_mean.
 
@@ -28,12 +32,14 @@ Deliberate simplifications:
   3. The reward is the verifier's, with DAPO's soft overlong penalty as an option.
   4. By default the clipped surrogate, a mean over all the tokens of a minibatch (as DAPO, TRL).
   5. The KL is in the loss (k3), off by default as in TRL.
-  6. The engine/trainer mismatch is corrected per token, capped at 2 as in verl.
+  6. The engine/trainer mismatch is corrected per token, capped at 2 as in verl (--is-mode).
 
 Usage:
     python grpo_family.py --loss-type gspo --clip-low 3e-4 --clip-high 4e-4   # GSPO
     python grpo_family.py --loss-type cispo --clip-low 1 --clip-high 0.28     # CISPO
     python grpo_family.py --loss-aggregation constant --no-normalize-by-std   # Dr. GRPO
+    python grpo_family.py --is-mode icepop --vllm-importance-sampling-cap 5   # IcePop
+    python grpo_family.py --dataset ifeval --ifeval-partial-credit 0.5 --reward-aggregation gdpo
     SFT=<checkpoint> bash bench/grpo_family.sh   # docs/grpo_family.md's table: every variant
 """
 

@@ -10,9 +10,13 @@ declare -A VARIANTS=(
   [grpo_clip_constant]="--loss-aggregation constant" [clip_higher]="--clip-high 0.28" [kl]="--beta 0.04"
   [gspo]="--loss-type gspo --clip-low 3e-4 --clip-high 4e-4" [cispo]="--loss-type cispo --clip-low 1 --clip-high 0.28"
   [overlong]="--overlong-buffer 16 --overlong-penalty 1" [dynamic_sampling]="--dynamic-sampling --max-draws 4"
+  [is_sequence]="--is-level sequence" [is_mask]="--is-mode mask --vllm-importance-sampling-cap 3"
+  [icepop]="--is-mode icepop --vllm-importance-sampling-cap 5" [kl_is_correction]="--beta 0.04 --kl-is-correction"
+  [off_policy_seq_mask]="--off-policy-seq-mask 0.1" [gdpo]="--reward-aggregation gdpo"
 )
 ORDER=${ORDER:-"grpo_clip_token_mean gspo cispo reinforce_with_baseline no_baseline grpo_clip_sequence_mean
-grpo_clip_constant clip_higher kl overlong dynamic_sampling"}
+grpo_clip_constant clip_higher kl overlong dynamic_sampling is_sequence is_mask icepop kl_is_correction
+off_policy_seq_mask gdpo"}
 for seed in $SEEDS; do
   for name in $ORDER; do
     mkdir -p "$OUT/$name"
