@@ -268,6 +268,12 @@ def test_responses_to_train():
             {"dynamic_sampling": True, "drop_zero_variance_groups": False},
             "drops zero-variance groups",
         ),
+        ({"is_mode": "clip"}, "unknown is_mode"),
+        ({"is_level": "group"}, "unknown is_level"),
+        ({"is_mode": "icepop", "is_low": 3.0}, "is_low must be in"),
+        ({"kl_is_correction": True}, "set beta"),
+        ({"reward_aggregation": "gdpo", "loss_type": "no_baseline"}, "gdpo normalises"),
+        ({"reward_aggregation": "mean"}, "unknown reward_aggregation"),
     ],
 )
 def test_argument_errors_before_the_engine_starts(overrides, message, monkeypatch):
