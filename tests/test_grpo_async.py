@@ -78,12 +78,21 @@ def test_staleness_zero_is_grpo_exactly(tiny_model_dir, shared_data, tmp_path):
     assert any(not torch.equal(a[k], v) for k, v in start.state_dict().items())
 
 
+@pytest.mark.parametrize("train_batch_size", [16, 8])
 def test_staleness_one_trains_on_rollouts_one_step_old_and_corrects_them(
-    tiny_model_dir, shared_data, tmp_path
+    train_batch_size, tiny_model_dir, shared_data, tmp_path
 ):
-    run = grpo_async.main(
-        run_args(grpo_async, tiny_model_dir, shared_data, tmp_path, n_grpo_steps=4)
+    # one minibatch a step, or two: then p_old is a frozen pass (frozen_log_probs) before the
+    # first, and the second trains off-policy on top of the staleness
+    args = run_args(
+        grpo_async,
+        tiny_model_dir,
+        shared_data,
+        tmp_path,
+        n_grpo_steps=4,
+        train_batch_size=train_batch_size,
     )
+    run = grpo_async.main(args)
     metrics = read_jsonl(run / "metrics.jsonl")[1:]
     # step 1's rollouts wait for no update; every later step's were sampled one step back
     assert [m["rollout/staleness_max"] for m in metrics] == [0, 1, 1, 1]
@@ -102,6 +111,8 @@ def test_staleness_one_trains_on_rollouts_one_step_old_and_corrects_them(
     ]
     assert stale, "no stale step after an update: raise lr or the steps"
     for m in stale:
+        # every minibatch of the step trained
+        assert m["train/n_updates"] == 16 // train_batch_size
         assert m["train/is_weight_std"] > 0.01
         assert m["train/engine_logprob_gap"] > 10 * metrics[0]["train/engine_logprob_gap"]
     # the engine sampled while the trainer trained
