@@ -810,15 +810,20 @@ def frozen_log_probs(
     model, batch: dict, lengths: list[int], rows: list[int], args, autocast
 ) -> torch.Tensor:
     """log p of each label of these rows of a padded batch (n, T) under a frozen model, at
-    args.temperature in args.microbatch_size rows and the trainer's autocast; the other rows
-    stay 0."""
+    args.temperature in args.microbatch_size rows and the trainer's autocast, through the path
+    the trainer takes (--share-prompt's too: p / p_old starts at 1 but for the rows' grouping);
+    the other rows stay 0."""
     device = next(model.parameters()).device
     log_probs = torch.zeros(batch["labels"].shape, device=device)  # (n, T)
-    for chunk, micro in microbatches(batch, rows, lengths, args.microbatch_size, str(device)):
+    split = prompt_microbatches if args.share_prompt else microbatches
+    for chunk, micro in split(batch, rows, lengths, args.microbatch_size, str(device)):
         with torch.no_grad(), autocast:
-            out = get_response_log_probs(
-                model, micro["input_ids"], micro["labels"], temperature=args.temperature
-            )
+            if args.share_prompt:
+                out = shared_prompt_log_probs(model, micro, temperature=args.temperature)
+            else:
+                out = get_response_log_probs(
+                    model, micro["input_ids"], micro["labels"], temperature=args.temperature
+                )
         width = micro["labels"].shape[1]
         log_probs[chunk, :width] = out["log_probs"].float()
     return log_probs

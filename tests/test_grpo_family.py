@@ -577,8 +577,11 @@ def test_dynamic_sampling_fills_the_batch_with_signal_and_resumes_exactly(
 
 @pytest.mark.usefixtures("small_train_split")
 def test_non_finite_updates_are_skipped_then_stop_the_run(tiny_model_dir, tmp_path, monkeypatch):
-    nan_reward = lambda response, example: {"reward": float("nan"), "format_reward": 0.0}
-    monkeypatch.setattr(grpo_family.verifiers, "score", nan_reward)
+    # groups whose advantages are NaN: every update is NaN (a NaN reward is no reward, a judge's
+    # failure: left out of the update, not a way to make one non-finite)
+    monkeypatch.setattr(grpo_family.verifiers, "score", letter_reward)
+    nan_advantages = lambda raw_rewards, *a: torch.full_like(raw_rewards, float("nan"))
+    monkeypatch.setattr(grpo_family, "group_normalize", nan_advantages)
     args = tiny_args(tiny_model_dir, tmp_path, train_batch_size=4, drop_zero_variance_groups=False)
     with (
         pytest.warns(UserWarning, match="not finite"),
