@@ -15,8 +15,18 @@ lines into the metrics:
   strict / flexible      GSM8K: lm-evaluation-harness's "strict-match" and "flexible-extract"
   prompt_level_*, inst_level_*, by_type   IFEval: lm-eval's four numbers and each instruction
                     type's strict and loose accuracy (no pass@k or maj@k: no answer to vote on)
+  distinct_answers, distinct_responses   at n > 1: the share of distinct final answers and of
+                    distinct responses among a problem's samples (1/n: all alike, 1: all differ)
+Each rate that is a mean over problems (accuracy, format rate, pass@k, maj@k, GSM8K's two, IFEval's
+four) has beside it its standard error (lm-eval's: the sample standard deviation of the
+per-problem scores / sqrt(problems)) and a seeded bootstrap 95% interval over problems
+(--bootstrap resamples): <key>_stderr, <key>_ci_low, <key>_ci_high.
 For code (MBPP, HumanEval) a sample is correct iff its program passes every test in the sandbox,
 "formatted" iff it compiles, and maj@k votes on identical programs.
+
+--compare RUN_A RUN_B evaluates nothing: it reads two results folders of the same problems and
+template, and prints A - B of each rate with its paired standard error and bootstrap interval, and
+the problems only A and only B solved (McNemar's exact test).
 
 The k-shot templates reproduce lm-eval's tasks (gsm8k, mbpp, humaneval, hendrycks_math), and --suite
 runs them all with one engine beside Qwen3-1.7B-Base's lm-eval numbers: docs/eval.md has the
@@ -36,10 +46,12 @@ Usage:
     python eval.py --model runs/sft__1__1763700000/checkpoints/step_000200 --dataset gsm8k \\
         --template r1_zero --n 8 --k 1 4 8 --temperature 1.0   # pass@k and maj@k from 8 samples
     python eval.py --suite --model Qwen/Qwen3-1.7B-Base --data-dir ../shared/data
+    python eval.py --compare results/<new run> results/<old run>   # new - old, paired
 """
 
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -167,6 +179,15 @@ class Args:
     save_sft_pairs: str | None = None
     """write every sample the verifier accepts (reward 1) to this JSONL file, as sft.py --sft-file
     reads it"""
+    # --- uncertainty, and two runs compared ---
+    bootstrap: int = 1000
+    """resamples of the problems for each rate's 95% bootstrap interval, seeded by --seed (0: no
+    interval; the standard errors are always given)"""
+    compare: tuple[str, str] | None = None
+    """RUN_A RUN_B: two results folders of the same problems and template; print A - B of each rate
+    with its paired standard error and interval, and McNemar's test (nothing is evaluated)"""
+    compare_out: str | None = None
+    """with --compare: also write the comparison to this JSON file"""
 
 
 # The baseline suite: Qwen3-1.7B-Base's lm-evaluation-harness results (%, vLLM, greedy) as reported
@@ -241,9 +262,13 @@ def majority_vote(answers: list[str | None]) -> str | None:
     return max(counts, key=counts.get) if counts else None
 
 
-def summarize(records: list[dict], ks: tuple[int, ...] = (1,)) -> dict:
+def summarize(
+    records: list[dict], ks: tuple[int, ...] = (1,), n_bootstrap: int = 1000, seed: int = 0
+) -> dict:
     """All metrics, from the per-problem records alone (each with "rewards": n reward dicts, see
-    main)."""
+    main). Each rate that problem_scores gives per problem has its standard error and 95%
+    bootstrap interval beside it (with_uncertainty; n_bootstrap resamples, 0: no interval)."""
+    scores = problem_scores(records, ks)
     rewards = [r for record in records for r in record["rewards"]]
     correct = [r["reward"] == 1.0 for r in rewards]
     formatted = [r["format_reward"] == 1.0 for r in rewards]
@@ -262,26 +287,23 @@ def summarize(records: list[dict], ks: tuple[int, ...] = (1,)) -> dict:
     metrics["eval/truncation_rate"] = float(np.mean(truncated))
     n_tokens = [n for record in records for n in record["n_tokens"]]
     metrics["eval/response_length"] = float(np.mean(n_tokens))
+    is_ifeval = all("strict" in r for r in rewards)
+    # Collapse (grpo-gsm8k's metric): 1/n where a problem's n samples are all alike, 1 where all
+    # differ. IFEval extracts no answer, so only its responses are counted.
+    if max(len(record["rewards"]) for record in records) > 1:
+        metrics["eval/distinct_responses"] = float(
+            np.mean([distinct_share(record["responses"]) for record in records])
+        )
+        if not is_ifeval:
+            answers = [[r["extracted"] for r in record["rewards"]] for record in records]
+            metrics["eval/distinct_answers"] = float(np.mean(list(map(distinct_share, answers))))
     # IFEval: lm-eval's four numbers, then each instruction type's
-    if all("strict" in r for r in rewards):
+    if is_ifeval:
         metrics.update(ifeval_metrics(records))
-        return metrics
+        return with_uncertainty(metrics, scores, n_bootstrap, seed)
     for k in ks:
-        pass_k = []
-        maj_k = []
-        for record in records:
-            n_correct = sum(r["reward"] == 1.0 for r in record["rewards"])
-            pass_k.append(pass_at_k(len(record["rewards"]), n_correct, k))
-            first_k = record["rewards"][:k]
-            winner = majority_vote([r["extracted"] for r in first_k])
-            # Samples with equal `extracted` have equal rewards: the first with the winning answer
-            # speaks for all.
-            maj_k.append(
-                winner is not None
-                and next(r for r in first_k if r["extracted"] == winner)["reward"] == 1.0
-            )
-        metrics[f"eval/pass@{k}"] = float(np.mean(pass_k))
-        metrics[f"eval/maj@{k}"] = float(np.mean(maj_k))
+        metrics[f"eval/pass@{k}"] = float(np.mean(scores[f"eval/pass@{k}"]))
+        metrics[f"eval/maj@{k}"] = float(np.mean(scores[f"eval/maj@{k}"]))
     if all("flexible_reward" in r for r in rewards):  # GSM8K: the two lm-eval filters
         metrics["eval/strict_accuracy"] = metrics["eval/accuracy"]
         metrics["eval/flexible_accuracy"] = float(
@@ -294,7 +316,106 @@ def summarize(records: list[dict], ks: tuple[int, ...] = (1,)) -> dict:
                 groups[record[key]].extend(r["reward"] == 1.0 for r in record["rewards"])
         for group in sorted(groups, key=str):
             metrics[f"eval/by_{key}/{group}"] = float(np.mean(groups[group]))
-    return metrics
+    return with_uncertainty(metrics, scores, n_bootstrap, seed)
+
+
+def distinct_share(values: list) -> float:
+    """The share of distinct values among a problem's samples: 1/k for k identical ones, 1 for k
+    different ones. An unextracted answer (None) counts as one more value."""
+    return len(set(values)) / len(values)
+
+
+def problem_scores(records: list[dict], ks: tuple[int, ...] = (1,)) -> dict[str, np.ndarray]:
+    """Each rate of the summary that is a mean over problems, as one score per problem, (P,): the
+    share of its n samples correct (accuracy) or formatted, its unbiased pass@k, its majority
+    vote's verdict (maj@k), GSM8K's strict and flexible shares, IFEval's prompt-level shares.
+    IFEval's instruction level is a ratio over instructions, not a mean over problems: its
+    per-problem scores are ratio_scores. Problems, not samples, are the units of the uncertainty:
+    a problem's n samples are not independent draws of the benchmark."""
+    rewards = [record["rewards"] for record in records]
+
+    def share(key, test=lambda value: value == 1.0) -> np.ndarray:
+        return np.array([np.mean([test(r[key]) for r in group]) for group in rewards])
+
+    scores = {"eval/accuracy": share("reward"), "eval/format_rate": share("format_reward")}
+    if all("strict" in r for group in rewards for r in group):  # IFEval
+        for mode in ("strict", "loose"):
+            scores[f"eval/prompt_level_{mode}_acc"] = share(mode, all)
+            followed = np.array([sum(sum(r[mode]) for r in group) for group in rewards])
+            given = np.array([sum(len(r[mode]) for r in group) for group in rewards])
+            scores[f"eval/inst_level_{mode}_acc"] = ratio_scores(followed, given)
+        return scores
+    for k in ks:
+        pass_k = []
+        maj_k = []
+        for group in rewards:
+            n_correct = sum(r["reward"] == 1.0 for r in group)
+            pass_k.append(pass_at_k(len(group), n_correct, k))
+            first_k = group[:k]
+            winner = majority_vote([r["extracted"] for r in first_k])
+            # Samples with equal `extracted` have equal rewards: the first with the winning answer
+            # speaks for all.
+            maj_k.append(
+                winner is not None
+                and next(r for r in first_k if r["extracted"] == winner)["reward"] == 1.0
+            )
+        scores[f"eval/pass@{k}"] = np.array(pass_k, dtype=float)
+        scores[f"eval/maj@{k}"] = np.array(maj_k, dtype=float)
+    if all("flexible_reward" in r for group in rewards for r in group):  # GSM8K
+        scores["eval/strict_accuracy"] = scores["eval/accuracy"]
+        scores["eval/flexible_accuracy"] = share("flexible_reward")
+    return scores
+
+
+def ratio_scores(hits: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    """Per-problem scores (P,) for a ratio of sums R = sum(hits) / sum(totals) (IFEval's
+    instructions followed of those given): z_i = R + (hits_i - R totals_i) / mean(totals). Their
+    mean is R, and their mean_stderr is R's delta-method standard error with problems as
+    clusters. With equal totals, z_i = hits_i / totals_i: a plain mean of per-problem shares."""
+    ratio = hits.sum() / totals.sum()
+    return ratio + (hits - ratio * totals) / totals.mean()
+
+
+def mean_stderr(scores: np.ndarray) -> float:
+    """lm-evaluation-harness's standard error of a mean (lm_eval.api.metrics.mean_stderr): the
+    sample standard deviation over problems (ddof 1) / sqrt(P). Example: scores 1, 0, 1, 0: sd
+    0.577, stderr 0.289."""
+    return float(np.std(scores, ddof=1) / np.sqrt(len(scores)))
+
+
+def bootstrap_interval(
+    scores: np.ndarray, n_bootstrap: int, seed: int, level: float = 0.95
+) -> tuple[float, float]:
+    """The percentile bootstrap interval of the mean: resample the P problems with replacement
+    n_bootstrap times, and take the middle `level` of the resampled means. The same seed draws
+    the same resamples for every metric of a run."""
+    rng = np.random.default_rng(seed)
+    means = []
+    # 100 resamples at a time: memory stays at 100 x P, whatever n_bootstrap is
+    for start in range(0, n_bootstrap, 100):
+        rows = min(100, n_bootstrap - start)
+        means.append(scores[rng.integers(0, len(scores), (rows, len(scores)))].mean(axis=1))
+    tails = [(1 - level) / 2, (1 + level) / 2]
+    low, high = np.quantile(np.concatenate(means), tails)
+    return float(low), float(high)
+
+
+def with_uncertainty(
+    metrics: dict, scores: dict[str, np.ndarray], n_bootstrap: int, seed: int
+) -> dict:
+    """metrics with <key>_stderr, <key>_ci_low and <key>_ci_high after each key of scores. One
+    problem has no spread to measure: then nothing is added."""
+    out = {}
+    for key, value in metrics.items():
+        out[key] = value
+        if key not in scores or len(scores[key]) < 2:
+            continue
+        out[f"{key}_stderr"] = mean_stderr(scores[key])
+        if n_bootstrap:
+            low, high = bootstrap_interval(scores[key], n_bootstrap, seed)
+            out[f"{key}_ci_low"] = low
+            out[f"{key}_ci_high"] = high
+    return out
 
 
 def ifeval_metrics(records: list[dict]) -> dict:
@@ -323,10 +444,13 @@ def ifeval_metrics(records: list[dict]) -> dict:
 
 
 def format_table(metrics: dict) -> str:
-    """One metric per line: counts as integers, rates as percentages."""
+    """One metric per line: counts as integers, rates as percentages, a rate's standard error and
+    95% interval on its line (`eval/accuracy  41.80% ± 2.20  [37.60, 46.00]`)."""
     lines = []
-    width = max(map(len, metrics)) + 1
-    for key, value in metrics.items():
+    shown = [key for key in metrics if not key.endswith(("_stderr", "_ci_low", "_ci_high"))]
+    width = max(map(len, shown)) + 1
+    for key in shown:
+        value = metrics[key]
         # every float is a rate but the times and the mean length in tokens
         is_rate = isinstance(value, float) and not key.startswith("time/")
         is_rate = is_rate and not key.endswith("response_length")
@@ -335,9 +459,71 @@ def format_table(metrics: dict) -> str:
         # the judge's kappa, seconds and dollars
         is_rate = is_rate and not key.endswith(("kappa", "seconds", "cost_usd"))
         if is_rate:
-            lines.append(f"{key:<{width}} {100 * value:8.2f}%")
+            line = f"{key:<{width}} {100 * value:8.2f}%"
+            if f"{key}_stderr" in metrics:
+                line += f" ± {100 * metrics[f'{key}_stderr']:.2f}"
+            if f"{key}_ci_low" in metrics:
+                low = 100 * metrics[f"{key}_ci_low"]
+                line += f"  [{low:.2f}, {100 * metrics[f'{key}_ci_high']:.2f}]"
+            lines.append(line)
         else:
             lines.append(f"{key:<{width}} {value:9.6g}")
+    return "\n".join(lines)
+
+
+# --- two runs over the same problems: the paired comparison ---
+
+
+def paired_comparison(
+    scores_a: np.ndarray, scores_b: np.ndarray, n_bootstrap: int, seed: int
+) -> dict:
+    """A - B from two runs' per-problem scores, (P,) each in the same order of problems. Paired:
+    the standard error and the bootstrap interval are those of the mean of the per-problem
+    differences, so the problems both runs solve (or both fail) add no noise. Two independent
+    standard errors, sqrt(se_a^2 + se_b^2), would count it."""
+    differences = scores_a - scores_b
+    result = {
+        "a": float(np.mean(scores_a)),
+        "b": float(np.mean(scores_b)),
+        "difference": float(np.mean(differences)),
+        "stderr": mean_stderr(differences),
+    }
+    if n_bootstrap:
+        low, high = bootstrap_interval(differences, n_bootstrap, seed)
+        result.update(ci_low=low, ci_high=high)
+    return result
+
+
+def mcnemar_exact(only_a: int, only_b: int) -> float:
+    """McNemar's exact test, two-sided. Under "A and B are as good", each of the only_a + only_b
+    problems that one run solved and the other did not went either way with probability 1/2; p =
+    min(1, 2 P(Binomial(only_a + only_b, 1/2) <= min(only_a, only_b))). The problems both or
+    neither solved say nothing about which is better. Example: 9 and 1: p = 2 x 11 / 2^10 =
+    0.021."""
+    m = only_a + only_b
+    tail = sum(math.comb(m, i) for i in range(min(only_a, only_b) + 1)) / 2**m
+    return min(1.0, 2 * tail)
+
+
+def format_comparison(result: dict) -> str:
+    """compare_runs's result as a table: A, B, A - B ± its paired standard error, its interval;
+    then the problems only one run solved."""
+    lines = [f"A: {result['run_a']}", f"B: {result['run_b']}"]
+    lines.append(f"{result['n_problems']} problems, the same in both")
+    width = max(map(len, result["metrics"])) + 1
+    header = f"{'':<{width}} {'A':>8} {'B':>8} {'A - B ± stderr':>16}"
+    lines.append(f"{header}  paired 95% interval")
+    for key, row in result["metrics"].items():
+        difference = f"{100 * row['difference']:+.2f} ± {100 * row['stderr']:.2f}"
+        line = f"{key:<{width}} {100 * row['a']:7.2f}% {100 * row['b']:7.2f}% {difference:>16}"
+        if "ci_low" in row:
+            line += f"  [{100 * row['ci_low']:+.2f}, {100 * row['ci_high']:+.2f}]"
+        lines.append(line)
+    lines.append(
+        f"solved (more than half of a problem's samples right): by A only {result['only_a']}, "
+        f"by B only {result['only_b']}, by both {result['both']}, by neither {result['neither']}; "
+        f"McNemar's exact p = {result['mcnemar_p']:.3g}"
+    )
     return "\n".join(lines)
 
 
@@ -958,7 +1144,7 @@ def generate_through_server(
     lines = (run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()
     records = [r for r in map(json.loads, lines) if "failed" not in r]
     metrics = {
-        **(summarize(records, args.k) if records else {}),
+        **(summarize(records, args.k, args.bootstrap, args.seed) if records else {}),
         "eval/n_failed": len(lines) - len(records),
         "time/generate_s": time.time() - start,
     }
@@ -1049,8 +1235,17 @@ def model_name(args: Args) -> str:
     ).strip("_")
 
 
-def main(args: Args) -> Path:
-    """Evaluate and write samples.jsonl and summary.json; returns the results folder."""
+def main(args: Args) -> Path | None:
+    """Evaluate and write samples.jsonl and summary.json; returns the results folder (None with
+    --compare, which evaluates nothing)."""
+    if args.bootstrap < 0:
+        raise ValueError(f"--bootstrap is a number of resamples (0: none), not {args.bootstrap}")
+    if args.compare:
+        result = compare_runs(*args.compare, args.bootstrap, args.seed)
+        print(format_comparison(result))
+        if args.compare_out:
+            Path(args.compare_out).write_text(json.dumps(result, indent=2) + "\n")
+        return None
     if args.suite:
         return run_suite(args)
     args = replace(args, max_tokens=args.max_tokens or 1024)
@@ -1074,7 +1269,11 @@ def main(args: Args) -> Path:
         llm = start_engine(args)
         engine_start_s = time.time() - start
         records, times = evaluate(llm, args, examples, shots)
-        metrics = {**summarize(records, args.k), "time/engine_start_s": engine_start_s, **times}
+        metrics = {
+            **summarize(records, args.k, args.bootstrap, args.seed),
+            "time/engine_start_s": engine_start_s,
+            **times,
+        }
 
     # 3. The judge on the same samples (--judge-model): its verdicts against the verifier's.
     table = None
@@ -1128,7 +1327,7 @@ def run_suite(args: Args) -> Path:
     table = []  # (row name, metric, ours, reference)
     for (name, *_, references), row, (examples, shots) in zip(SUITE, rows, loaded, strict=True):
         records, times = evaluate(llm, row, examples, shots)
-        metrics = {**summarize(records, row.k), **times}
+        metrics = {**summarize(records, row.k, row.bootstrap, row.seed), **times}
         write_results(suite_dir / name, row, records, metrics)
         table += [
             (name, key, 100 * metrics[key], reference) for key, reference in references.items()
@@ -1151,10 +1350,82 @@ def run_suite(args: Args) -> Path:
     return suite_dir
 
 
+# --- two results folders compared (--compare) ---
+
+
+def read_results(run_dir: Path) -> tuple[dict, dict]:
+    """A results folder's arguments (summary.json) and its answered problems by id
+    (samples.jsonl; an --api-base run's failed problems left out)."""
+    if not (run_dir / "samples.jsonl").is_file() or not (run_dir / "summary.json").is_file():
+        raise ValueError(
+            f"{run_dir} is not an evaluation folder (samples.jsonl and summary.json); with "
+            f"--suite, give one benchmark's folder"
+        )
+    args = json.loads((run_dir / "summary.json").read_text())["args"]
+    lines = (run_dir / "samples.jsonl").read_text(encoding="utf-8").splitlines()
+    records = [record for record in map(json.loads, lines) if "failed" not in record]
+    return args, {record["id"]: record for record in records}
+
+
+def compare_runs(run_a: str, run_b: str, n_bootstrap: int = 1000, seed: int = 0) -> dict:
+    """The paired comparison of two results folders over the same problems: A - B of each rate both
+    summaries hold (paired_comparison), and the problems only one run solved (McNemar's exact
+    test), a problem solved where more than half of its samples are right. Raises ValueError,
+    naming what differs, for two runs of another dataset, split, template, shots or tool use, or
+    over other problems (ids, gold answers, or prompts but with the chat template, which each
+    model's tokenizer renders its own way)."""
+    args_a, records_a = read_results(Path(run_a))
+    args_b, records_b = read_results(Path(run_b))
+    fields = ["dataset", "split", "template", "tools"]
+    if "kshot" in args_a["template"]:
+        fields.append("n_shot")
+    for name in fields:
+        if args_a.get(name) != args_b.get(name):
+            raise ValueError(
+                f"{run_a} and {run_b} differ in {name}: {args_a.get(name)!r} and "
+                f"{args_b.get(name)!r}; a paired comparison needs the same problems and template"
+            )
+    only_in_a = [i for i in records_a if i not in records_b]
+    only_in_b = [i for i in records_b if i not in records_a]
+    if only_in_a or only_in_b:
+        raise ValueError(
+            f"{run_a} and {run_b} hold different problems: {len(only_in_a)} only in A "
+            f"{only_in_a[:3]}, {len(only_in_b)} only in B {only_in_b[:3]} (--limit? failed "
+            f"problems of an --api-base run?)"
+        )
+    ids = list(records_a)
+    if len(ids) < 2:
+        raise ValueError(f"{run_a} holds {len(ids)} problem(s): no spread to compare")
+    for i in ids:
+        a = records_a[i]
+        b = records_b[i]
+        if a["answer"] != b["answer"]:
+            raise ValueError(f"{run_a} and {run_b} differ in the gold answer of problem {i}")
+        if args_a["template"] != "chat" and a["prompt"] != b["prompt"]:
+            raise ValueError(f"{run_a} and {run_b} differ in the prompt of problem {i}")
+    # pass@k and maj@k for the k both runs counted
+    ks = tuple(k for k in args_a["k"] if k in args_b["k"])
+    scores_a = problem_scores([records_a[i] for i in ids], ks)
+    scores_b = problem_scores([records_b[i] for i in ids], ks)
+    result = {"run_a": str(run_a), "run_b": str(run_b), "n_problems": len(ids), "metrics": {}}
+    for key in scores_a:
+        if key in scores_b:
+            comparison = paired_comparison(scores_a[key], scores_b[key], n_bootstrap, seed)
+            result["metrics"][key] = comparison
+    solved_a = scores_a["eval/accuracy"] > 0.5
+    solved_b = scores_b["eval/accuracy"] > 0.5
+    result["only_a"] = int(np.sum(solved_a & ~solved_b))
+    result["only_b"] = int(np.sum(solved_b & ~solved_a))
+    result["both"] = int(np.sum(solved_a & solved_b))
+    result["neither"] = int(np.sum(~solved_a & ~solved_b))
+    result["mcnemar_p"] = mcnemar_exact(result["only_a"], result["only_b"])
+    return result
+
+
 if __name__ == "__main__":
     results = main(tyro.cli(Args))
     summary = {}
-    if (results / "summary.json").exists():
+    if results is not None and (results / "summary.json").exists():
         summary = json.loads((results / "summary.json").read_text())
     # 3: some problems failed (--api-base)
     sys.exit(3 if summary.get("metrics", {}).get("eval/n_failed") else 0)
