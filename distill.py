@@ -876,15 +876,27 @@ def reward_statistics(
 def rollout_metrics(
     scores: list[dict], raw_rewards: torch.Tensor, completions: list, group_size: int
 ) -> dict:
-    """rollout/: the rewards' statistics, the responses' lengths in tokens, and the share of
-    them cut off at --max-tokens."""
+    """rollout/: the rewards' statistics, the responses' lengths in tokens, the share of them
+    cut off at --max-tokens, and how alike a question's samples are (distinct_share)."""
     n_tokens = [len(c.token_ids) for c in completions]
     metrics = reward_statistics(scores, raw_rewards, group_size)
     metrics["response_length"] = float(np.mean(n_tokens))
     metrics["response_length_max"] = max(n_tokens)
     truncated = [c.finish_reason == "length" for c in completions]
     metrics["truncation_rate"] = float(np.mean(truncated))
+    # a policy that collapses writes one response (or one answer) G times: 1/G, not 1
+    metrics["distinct_responses"] = distinct_share([c.text for c in completions], group_size)
+    answers = [s.get("extracted") for s in scores]
+    if any(answer is not None for answer in answers):
+        metrics["distinct_answers"] = distinct_share(answers, group_size)
     return {f"rollout/{key}": value for key, value in metrics.items()}
+
+
+def distinct_share(values: list, group_size: int) -> float:
+    """The share of distinct values among a group's G samples, averaged over the groups (eval.py's
+    distinct_share): 1/G where all are one, 1 where all differ. None (no answer) is one value."""
+    groups = [values[j : j + group_size] for j in range(0, len(values), group_size)]
+    return float(np.mean([len(set(group)) / len(group) for group in groups]))
 
 
 def write_rollouts(

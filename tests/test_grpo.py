@@ -492,7 +492,8 @@ def test_rollout_metrics_by_hand():
     # Two responses of 3 and 5 tokens, the second cut off: mean length 4, truncation 0.5; rewards 1
     # and 0 (one group of 2: its std is not 0).
     completions = [
-        SimpleNamespace(token_ids=[1] * n, finish_reason=r) for n, r in ((3, "stop"), (5, "length"))
+        SimpleNamespace(text=t, token_ids=[1] * n, finish_reason=r)
+        for t, n, r in (("a", 3, "stop"), ("b", 5, "length"))
     ]
     scores = [{"reward": 1.0, "format_reward": 1.0}, {"reward": 0.0, "format_reward": 0.0}]
     m = grpo.rollout_metrics(scores, torch.tensor([1.0, 0.0]), completions, 2)
@@ -500,6 +501,19 @@ def test_rollout_metrics_by_hand():
     assert m["rollout/truncation_rate"] == 0.5 and m["rollout/reward_mean"] == 0.5
     assert m["rollout/frac_zero_std_groups"] == 0 and m["rollout/format_reward_mean"] == 0.5
     assert "rollout/answer_reward_mean" not in m  # not in every score
+    assert "rollout/distinct_answers" not in m  # no answer extracted
+
+
+def test_the_collapse_metric_by_hand():
+    # Two groups of 4: one response written 4 times (1/4), and 4 different ones (1); their answers:
+    # "7" 4 times (1/4), and "7", "8", None, None (3 values: 3/4).
+    texts = ["x"] * 4 + ["p", "q", "r", "s"]
+    completions = [SimpleNamespace(text=t, token_ids=[1], finish_reason="stop") for t in texts]
+    answers = ["7"] * 4 + ["7", "8", None, None]
+    scores = [{"reward": 0.0, "format_reward": 0.0, "extracted": a} for a in answers]
+    m = grpo.rollout_metrics(scores, torch.zeros(8), completions, 4)
+    assert m["rollout/distinct_responses"] == (1 / 4 + 1) / 2
+    assert m["rollout/distinct_answers"] == (1 / 4 + 3 / 4) / 2
 
 
 def rollout_batch(n: int, seed: int = 0) -> tuple[dict, list[int]]:
