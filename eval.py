@@ -566,7 +566,7 @@ def format_confusion(table: dict) -> str:
     )
 
 
-# --- ALGORITHM: the tool loop (same in grpo_tools.py and eval.py) ---
+# --- ALGORITHM: the tool loop (grpo_tools.py holds the same copy) ---
 
 
 @dataclass

@@ -357,12 +357,16 @@ def test_resume_after_a_kill_replays_the_same_rollouts(tiny_model_dir, tmp_path)
 
 
 def test_the_tool_loop_is_the_same_in_grpo_tools_and_eval():
-    banner = "# --- ALGORITHM: the tool loop (same in grpo_tools.py and eval.py) ---"
+    # each file's banner names the other ("holds the same copy"); the code under it is one text
+    banners = {
+        "grpo_tools.py": "# --- ALGORITHM: the tool loop (eval.py holds the same copy) ---\n",
+        "eval.py": "# --- ALGORITHM: the tool loop (grpo_tools.py holds the same copy) ---\n",
+    }
     texts = []
-    for script in ("grpo_tools.py", "eval.py"):
+    for script, banner in banners.items():
         source = (Path(__file__).parents[1] / script).read_text()
-        start = source.index(banner)
-        texts.append(source[start : source.index("\n# --- ", start + 1)])
+        start = source.index(banner) + len(banner)
+        texts.append(source[start : source.index("\n# --- ", start)])
     assert "def generate_with_tools(" in texts[0]
     assert texts[0] == texts[1]
 
