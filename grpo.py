@@ -907,6 +907,12 @@ FAMILY_FLAGS = [
     "dynamic-sampling",
     "max-draws",
     "mask-truncated",
+    "is-level",
+    "is-mode",
+    "is-low",
+    "kl-is-correction",
+    "off-policy-seq-mask",
+    "reward-aggregation",
 ]
 
 

@@ -840,6 +840,15 @@ def test_a_family_flag_names_grpo_family():
     assert result.returncode != 0 and "grpo_family.py" in result.stderr, result.stderr
 
 
+def test_every_flag_only_the_family_has_is_refused_by_name():
+    # FAMILY_FLAGS is the list of grpo_family.py's own flags: a flag added there and not here would
+    # meet tyro's bare "unrecognized arguments" in grpo.py
+    import grpo_family
+
+    own = set(grpo_family.Args.__dataclass_fields__) - set(Args.__dataclass_fields__)
+    assert {name.replace("_", "-") for name in own} == set(grpo.FAMILY_FLAGS)
+
+
 # --- end to end: the real engine on the tiny model ---
 
 
