@@ -423,6 +423,16 @@ def microbatches(tensors: dict, rows: list[int], lengths: list[int], size: int, 
         yield chunk, {k: v[index, :width].to(device) for k, v in tensors.items()}
 
 
+def microbatch_log_probs(model, micro: dict, return_token_entropy: bool, args) -> dict:
+    """get_response_log_probs of a microbatch at args.temperature; with --share-prompt (its rows
+    are one prompt's responses) shared_prompt_log_probs: the same numbers to float rounding."""
+    if args.share_prompt:
+        return shared_prompt_log_probs(model, micro, return_token_entropy, args.temperature)
+    return get_response_log_probs(
+        model, micro["input_ids"], micro["labels"], return_token_entropy, args.temperature
+    )
+
+
 def frozen_log_probs(
     model, batch: dict, lengths: list[int], rows: list[int], args, autocast
 ) -> torch.Tensor:
@@ -435,12 +445,7 @@ def frozen_log_probs(
     split = prompt_microbatches if args.share_prompt else microbatches
     for chunk, micro in split(batch, rows, lengths, args.microbatch_size, str(device)):
         with torch.no_grad(), autocast:
-            if args.share_prompt:
-                out = shared_prompt_log_probs(model, micro, temperature=args.temperature)
-            else:
-                out = get_response_log_probs(
-                    model, micro["input_ids"], micro["labels"], temperature=args.temperature
-                )
+            out = microbatch_log_probs(model, micro, False, args)
         width = micro["labels"].shape[1]
         log_probs[chunk, :width] = out["log_probs"].float()
     return log_probs
@@ -477,12 +482,7 @@ def distill_update(
     minibatch_loss = torch.zeros((), device=policy.device)
     for micro_rows, micro in split(batch, local_rows, lengths, args.microbatch_size, device):
         with autocast:
-            if args.share_prompt:
-                out = shared_prompt_log_probs(policy, micro, True, args.temperature)
-            else:
-                out = get_response_log_probs(
-                    policy, micro["input_ids"], micro["labels"], True, args.temperature
-                )
+            out = microbatch_log_probs(policy, micro, True, args)
         log_probs = out["log_probs"]  # (b, T)
         mask = micro["response_mask"]  # (b, T)
         width = mask.shape[1]
