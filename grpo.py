@@ -993,18 +993,21 @@ def rollout_metrics(
     truncated = [c.finish_reason == "length" for c in completions]
     metrics["truncation_rate"] = float(np.mean(truncated))
     # a policy that collapses writes one response (or one answer) G times: 1/G, not 1
-    metrics["distinct_responses"] = distinct_share([c.text for c in completions], group_size)
+    groups = range(0, len(completions), group_size)
+    texts = [c.text for c in completions]
+    shares = [distinct_share(texts[j : j + group_size]) for j in groups]
+    metrics["distinct_responses"] = float(np.mean(shares))
     answers = [s.get("extracted") for s in scores]
     if any(answer is not None for answer in answers):
-        metrics["distinct_answers"] = distinct_share(answers, group_size)
+        shares = [distinct_share(answers[j : j + group_size]) for j in groups]
+        metrics["distinct_answers"] = float(np.mean(shares))
     return {f"rollout/{key}": value for key, value in metrics.items()}
 
 
-def distinct_share(values: list, group_size: int) -> float:
-    """The share of distinct values among a group's G samples, averaged over the groups (eval.py's
-    distinct_share): 1/G where all are one, 1 where all differ. None (no answer) is one value."""
-    groups = [values[j : j + group_size] for j in range(0, len(values), group_size)]
-    return float(np.mean([len(set(group)) / len(group) for group in groups]))
+def distinct_share(values: list) -> float:
+    """The share of distinct values among a problem's samples: 1/k for k identical ones, 1 for k
+    different ones. An unextracted answer (None) counts as one more value."""
+    return len(set(values)) / len(values)
 
 
 def write_rollouts(

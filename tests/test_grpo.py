@@ -16,6 +16,7 @@ random text scores unevenly. That tests the loop's mechanics, not the verifier
 
 import contextlib
 import importlib.metadata
+import inspect
 import json
 import math
 import os
@@ -514,6 +515,10 @@ def test_the_collapse_metric_by_hand():
     m = grpo.rollout_metrics(scores, torch.zeros(8), completions, 4)
     assert m["rollout/distinct_responses"] == (1 / 4 + 1) / 2
     assert m["rollout/distinct_answers"] == (1 / 4 + 3 / 4) / 2
+    # eval.py's own measure at n > 1, copied: one definition for a step and an evaluation
+    import eval as eval_script
+
+    assert inspect.getsource(grpo.distinct_share) == inspect.getsource(eval_script.distinct_share)
 
 
 def rollout_batch(n: int, seed: int = 0) -> tuple[dict, list[int]]:
