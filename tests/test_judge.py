@@ -12,14 +12,10 @@ end."""
 
 import json
 import math
-import os
 import socket
-import subprocess
-import sys
 import time
 import types
 
-import httpx
 import pytest
 from judge_server import MAX_CHARS, MODEL, RUBRIC, JudgeServer, scripted_verdict
 
@@ -458,56 +454,10 @@ async def fake_ask(client, path, body, args):
 # --- vLLM's own OpenAI-compatible server on the tiny model, as a judge ---
 
 
-@pytest.fixture(scope="module")
-def vllm_judge(tiny_model_dir):
-    """python -m vllm.entrypoints.openai.api_server on 127.0.0.1 (as tests/test_eval_api.py)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(tiny_model_dir),
-        "--served-model-name",
-        "tiny",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "2048",
-        "--enforce-eager",
-        "--seed",
-        "0",
-    ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    log_path = tiny_model_dir.parent / "vllm_judge.log"
-    log = open(log_path, "w")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url, deadline = f"http://127.0.0.1:{port}/v1", time.time() + 300
-    try:
-        while time.time() < deadline:
-            assert process.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/models", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-        log.close()
-
-
-def test_the_real_judge_structured_always_gives_a_verdict(vllm_judge):
+def test_the_real_judge_structured_always_gives_a_verdict(vllm_server):
     """With vLLM's structured_outputs choice, its decoder can only write a label: even a random
     model's reply parses (into an arbitrary verdict: a random judge, as eval.py's kappa shows)."""
-    judge = verifiers.Judge(vllm_judge, "tiny", concurrency=4)
+    judge = verifiers.Judge(vllm_server, "tiny", concurrency=4)
     verdicts = judge.grade_all([(QUESTION, RUBRIC, response) for _, response, _ in RED_TEAM[:6]])
     print([v["judge_reward"] for v in verdicts])
     assert all(v["judge_failed"] == 0 for v in verdicts), verdicts
@@ -516,11 +466,11 @@ def test_the_real_judge_structured_always_gives_a_verdict(vllm_judge):
     assert stats["judge/tokens_in"] > 0 and stats["judge/tokens_out"] > 0
 
 
-def test_red_team_table_on_the_real_judge_in_plain_text(vllm_judge):
+def test_red_team_table_on_the_real_judge_in_plain_text(vllm_server):
     """The random tiny model as a plain-text judge: its replies are no verdicts. Every row must be a
     counted failure or a low score, never a silent high one (the row "runs to the token limit" is
     past the server's 2048 tokens: HTTP 400, a failure)."""
-    judge = verifiers.Judge(vllm_judge, "tiny", concurrency=4, structured="none")
+    judge = verifiers.Judge(vllm_server, "tiny", concurrency=4, structured="none")
     verdicts = judge.grade_all([(QUESTION, RUBRIC, response) for _, response, _ in RED_TEAM])
     got = {row: outcome(v) for (row, _, _), v in zip(RED_TEAM, verdicts, strict=True)}
     print(got, [v.get("judge_error") for v in verdicts][:3])
@@ -531,7 +481,7 @@ def test_red_team_table_on_the_real_judge_in_plain_text(vllm_judge):
     assert "HTTP 400" in verdicts[-1]["judge_error"]
 
 
-def test_eval_with_the_real_tiny_model_as_student_and_judge(vllm_judge, shared_data, tmp_path):
+def test_eval_with_the_real_tiny_model_as_student_and_judge(vllm_server, shared_data, tmp_path):
     """eval.py end to end against the real server, as docs/eval.md measures SmolLM2: the tiny
     model answers 32 IFEval prompts and judges its answers (vLLM's choice: every verdict parses)."""
     args = eval_script.Args(
@@ -541,10 +491,10 @@ def test_eval_with_the_real_tiny_model_as_student_and_judge(vllm_judge, shared_d
         limit=32,
         template="question",
         max_tokens=16,
-        api_base=vllm_judge,
+        api_base=vllm_server,
         api_model="tiny",
         api_endpoint="completions",
-        judge_base_url=vllm_judge,
+        judge_base_url=vllm_server,
         judge_model="tiny",
         out_dir=str(tmp_path),
     )
