@@ -47,8 +47,9 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -447,13 +448,20 @@ def engine_importance_weights(
 # --- ALGORITHM: the engine's thread, which samples ahead of the trainer ---
 
 
-def start_engine_thread() -> queue.Queue:
+def start_engine_thread(device: str) -> tuple[queue.Queue, threading.Thread]:
     """A daemon thread that runs the jobs put in the returned queue as (future, fn, args), one at
     a time and in order, each result (or exception) into its future, until it takes None. A
     daemon: a hung job cannot keep the process alive after the trainer stops."""
     jobs = queue.Queue()
+    # On a GPU, vLLM's model runner keeps the stream that was current on this (the main) thread
+    # at its first step, and copies the sampled tokens to the host after that stream's work only.
+    # A new thread starts on the default stream: the engine's kernels must run on vLLM's.
+    stream = torch.cuda.current_stream(device) if device.startswith("cuda") else None
 
     def work() -> None:
+        if stream is not None:
+            torch.cuda.set_device(stream.device)
+            torch.cuda.set_stream(stream)
         while (job := jobs.get()) is not None:
             future, fn, args = job
             try:
@@ -463,8 +471,9 @@ def start_engine_thread() -> queue.Queue:
             # the job's closure holds the engine: let it go before waiting for the next
             del job, future, fn, args
 
-    threading.Thread(target=work, name="engine", daemon=True).start()
-    return jobs
+    thread = threading.Thread(target=work, name="engine", daemon=True)
+    thread.start()
+    return jobs, thread
 
 
 def submit(jobs: queue.Queue, fn, *args) -> Future:
@@ -474,18 +483,21 @@ def submit(jobs: queue.Queue, fn, *args) -> Future:
     return future
 
 
-def wait_for(future: Future, timeout_s: float):
-    """The job's result. Its exception is raised here, in the trainer's thread; a job that does
-    not end in timeout_s stops the run (never a deadlock)."""
-    try:
-        return future.result(timeout=timeout_s)
-    except TimeoutError:
-        if future.done():
-            # the job's own TimeoutError (a verifier's socket, say), with its traceback
-            raise
-        raise RuntimeError(
-            f"the engine's thread gave no rollouts in {timeout_s:.0f} s (--engine-timeout-s)"
-        ) from None
+def wait_for(future: Future, thread: threading.Thread, timeout_s: float):
+    """The job's result. Its exception (its own TimeoutError too) is raised here, in the
+    trainer's thread; a job that does not end in timeout_s, or a thread that ended without
+    finishing it, stops the run (never a deadlock)."""
+    deadline = time.monotonic() + timeout_s
+    while not future.done():
+        if not thread.is_alive():
+            raise RuntimeError("the engine's thread ended without finishing this job")
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"the engine's thread gave no rollouts in {timeout_s:.0f} s (--engine-timeout-s)"
+            )
+        # a second at a time: a thread that died is noticed within one
+        wait([future], timeout=min(1.0, max(deadline - time.monotonic(), 0.0)))
+    return future.result()
 
 
 def overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
@@ -831,7 +843,7 @@ def main(args: Args) -> Path:
         times = (start, generated, time.time())
         return dict(examples=examples, outputs=outputs, scores=scores, version=version, times=times)
 
-    jobs = start_engine_thread()
+    jobs, engine_thread = start_engine_thread(vllm_device)
     # step -> the future of its rollouts; a resumed run's come back from its checkpoint
     sampled_ahead = load_sampled_ahead(run_dir, start_step)
 
@@ -845,7 +857,7 @@ def main(args: Args) -> Path:
         with timed(metrics, "wait_for_rollouts"):
             if step not in sampled_ahead:
                 sampled_ahead[step] = submit(jobs, sample, step)
-            rollouts = wait_for(sampled_ahead.pop(step), args.engine_timeout_s)
+            rollouts = wait_for(sampled_ahead.pop(step), engine_thread, args.engine_timeout_s)
         # the engine samples the next steps while the trainer learns from this one
         last = min(step + args.max_staleness, args.n_grpo_steps - 1)
         for ahead in range(step + 1, last + 1):
@@ -926,7 +938,7 @@ def main(args: Args) -> Path:
             deadline = time.time() + args.engine_timeout_s
             ahead = []
             for future in sampled_ahead.values():
-                ahead.append(wait_for(future, max(deadline - time.time(), 0.0)))
+                ahead.append(wait_for(future, engine_thread, max(deadline - time.time(), 0.0)))
         gap = None
         with timed(metrics, "reload"):
             # only if an update changed them
@@ -2007,6 +2019,22 @@ def sum_over_ranks(model, *tensors: torch.Tensor) -> None:
         dist.all_reduce(tensor)
 
 
+# --- PLUMBING: a run that fails ends at once, whatever its engine's thread is doing ---
+
+
+def main_or_exit(args: Args) -> None:
+    """main(args); on an error, the error printed and the process ended at once. The engine's
+    thread may be inside a job (a timeout, out of memory, Ctrl-C): the interpreter's exit would
+    shut the engine down under it, which can crash or hang. The last checkpoint is on disk."""
+    try:
+        main(args)
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
 if __name__ == "__main__":
     refuse_family_flags(sys.argv[1:])
-    main(tyro.cli(Args))
+    main_or_exit(tyro.cli(Args))

@@ -18,12 +18,14 @@ overlap; max(generate, train) / (generate + train) is what two GPUs would give. 
 (no CUDA graphs, no paged attention, more Python per token): read the ratio, not the seconds, as the engine's.
 
     python -m bench.overlap_gpu                    # H100 / H200
+    python -m bench.overlap_gpu --switch-interval-ms 0.1   # the interpreter lock handed over 50x as often
     python -m bench.overlap_gpu --shape tiny --seq-len 128 --gen-tokens 16 --accumulation 2   # a CPU, to try it
 """
 
 import contextlib
 import multiprocessing
 import statistics
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -53,14 +55,21 @@ class Args:
     """timed rounds (median), after one warm-up round"""
     engine_process: bool = False
     """also the stand-in in its own process (no shared interpreter lock) beside the trainer"""
+    switch_interval_ms: float | None = None
+    """the interpreter's switch interval (sys.setswitchinterval; Python's default 5 ms): how long
+    a thread that wants the lock waits before the one holding it is asked to let go"""
 
 
 def main(args: Args) -> dict:
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     torch.manual_seed(0)
     config = Qwen3Config(**SHAPES[args.shape], max_position_embeddings=4096)
-    policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
+    # built on the device: random weights of 1.7B drawn on a CPU take minutes
+    with device:
+        policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
     generate = engine_stand_in(args, config, device)
     response_mask = torch.zeros(args.microbatch_size, args.seq_len, dtype=torch.bool, device=device)
@@ -121,7 +130,8 @@ def main(args: Args) -> dict:
     print(
         f"{name}, torch {torch.__version__}: {args.shape}; train {trained} tokens a step "
         f"({args.accumulation} x {args.microbatch_size} x {args.seq_len}); generate {args.gen_batch} x "
-        f"{args.gen_tokens} new tokens after {args.prompt_len}; median of {args.repeats}"
+        f"{args.gen_tokens} new tokens after {args.prompt_len}; median of {args.repeats}; switch "
+        f"interval {sys.getswitchinterval() * 1000:g} ms"
     )
     print(f"generate {generate_s:.2f} s ({sampled / generate_s:.0f} tokens/s)")
     print(f"train    {train_s:.2f} s ({trained / train_s:.0f} tokens/s)")
@@ -142,7 +152,8 @@ def main(args: Args) -> dict:
 def engine_stand_in(args: Args, config, device: torch.device):
     """generate(): the engine's stand-in samples args.gen_batch sequences on its own CUDA stream."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    engine = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    with device:
+        engine = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     engine.generation_config.pad_token_id = 0
     # the engine's own stream: its kernels may run beside the trainer's
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -6,12 +6,15 @@ a random tiny model's rewards differ within groups, so that the weights move."""
 
 import gc
 import json
+import subprocess
+import sys
 import threading
+import time
 import weakref
 
 import pytest
 import torch
-from conftest import interrupted_at_call
+from conftest import ROOT, interrupted_at_call
 
 import grpo
 import grpo_async
@@ -180,19 +183,19 @@ def test_a_dead_or_hung_engine_thread_stops_the_run_with_its_error(
 def test_a_jobs_own_timeout_error_is_its_own_and_the_thread_ends_on_none():
     """wait_for raises a job's own TimeoutError (a verifier's socket, say) as it is, with its
     traceback, not as the engine's timeout; and the engine's thread ends on None, holding no job."""
-    jobs = grpo_async.start_engine_thread()
-    (thread,) = [t for t in threading.enumerate() if t.name == "engine" and t.is_alive()][-1:]
+    jobs, thread = grpo_async.start_engine_thread("cpu")
+    assert thread.name == "engine" and thread.daemon and thread.is_alive()
 
     def slow_socket():
         raise TimeoutError("the sandbox's socket timed out")
 
     with pytest.raises(TimeoutError, match="sandbox's socket") as raised:
-        grpo_async.wait_for(grpo_async.submit(jobs, slow_socket), 5)
+        grpo_async.wait_for(grpo_async.submit(jobs, slow_socket), thread, 5)
     assert "slow_socket" in str(raised.traceback[-1])
     # a job that does not end in time is the engine's timeout
     hang = threading.Event()
     with pytest.raises(RuntimeError, match="gave no rollouts in 0 s"):
-        grpo_async.wait_for(grpo_async.submit(jobs, hang.wait, 10), 0.1)
+        grpo_async.wait_for(grpo_async.submit(jobs, hang.wait, 10), thread, 0.1)
     hang.set()
 
     # the closure a job held is let go, and None ends the thread
@@ -201,13 +204,57 @@ def test_a_jobs_own_timeout_error_is_its_own_and_the_thread_ends_on_none():
 
     engine = Engine()
     held = weakref.ref(engine)
-    assert grpo_async.wait_for(grpo_async.submit(jobs, lambda e: type(e).__name__, engine), 5)
+    assert grpo_async.wait_for(
+        grpo_async.submit(jobs, lambda e: type(e).__name__, engine), thread, 5
+    )
     del engine
     gc.collect()
     assert held() is None
     jobs.put(None)
     thread.join(5)
     assert not thread.is_alive()
+
+
+def test_a_thread_that_ended_without_a_result_is_noticed_in_a_second_not_at_the_timeout():
+    """The engine's thread gone (here: it took None first) while a job waits: wait_for stops
+    the run within about a second, not after --engine-timeout-s."""
+    jobs, thread = grpo_async.start_engine_thread("cpu")
+    jobs.put(None)
+    future = grpo_async.submit(jobs, lambda: "never run")
+    thread.join(5)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="ended without finishing this job"):
+        grpo_async.wait_for(future, thread, 30)
+    assert time.monotonic() - start < 5
+
+
+def test_a_run_that_fails_while_a_job_runs_ends_at_once_without_the_exit_hooks(tmp_path):
+    """grpo_async.py's entry point (main_or_exit) prints the error and ends the process, without
+    the interpreter's exit hooks, which would shut the engine down under its thread's job. The
+    hook here stands for vLLM's: it waits for the job (120 s) and prints."""
+    code = """
+import atexit, time
+import grpo_async
+
+def main(args):
+    jobs, thread = grpo_async.start_engine_thread("cpu")
+    grpo_async.submit(jobs, time.sleep, 120)
+    atexit.register(print, "the exit hooks ran")
+    atexit.register(thread.join)
+    time.sleep(0.5)
+    raise RuntimeError("out of memory in the trainer")
+
+grpo_async.main = main
+grpo_async.main_or_exit(None)
+"""
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "RuntimeError: out of memory in the trainer" in done.stderr
+    assert "the exit hooks ran" not in done.stdout
+    assert time.monotonic() - start < 90
 
 
 def test_the_engine_and_the_trainer_on_one_gpu_refuse_to_sample_ahead(
