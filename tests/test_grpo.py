@@ -1069,6 +1069,49 @@ def test_cpu_bf16_trains_with_a_bf16_engine_that_follows(tiny_model_dir, tmp_pat
 
 
 @pytest.mark.usefixtures("small_train_split")
+def test_cpu_bf16_stops_an_engine_whose_linear_weights_stay_stale(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """A CPU's bf16 engine keeps its linear weights where they cannot be read back, and bf16's
+    own gap needs a loose bound (0.5), under which one update's stale projections pass. After the
+    first reload the bound is 10x that reload's gap: a run whose reloads leave every linear weight
+    out stops at its first reload after an update. Measured (AMD EPYC, avx512_bf16): the first
+    gap 0.0029, the stale one 0.16 at lr 1e-3 (0.39 at 3e-3; a whole reload after a step at
+    1e-2: 0.0021)."""
+    monkeypatch.setattr(grpo, "cpu_has_bf16", lambda flags=None: True)
+    monkeypatch.setattr(grpo.verifiers, "score", letter_reward)
+    real_load, real_gap = grpo.load_policy_into_vllm, grpo.probe_gap
+    gaps = []
+
+    def stale_after_the_first(policy, llm, device):
+        if not gaps:
+            return real_load(policy, llm, device)
+        rpc = llm.collective_rpc
+        # every 2-D weight but the embedding: the linear projections, left as they were
+        kept = lambda weights: [(n, t) for n, t in weights if t.dim() == 1 or "embed" in n]
+        llm.collective_rpc = lambda method, kwargs: rpc(
+            method, kwargs={"weights_iterator": kept(kwargs["weights_iterator"])}
+        )
+        try:
+            real_load(policy, llm, device)
+        finally:
+            del llm.collective_rpc
+
+    def recorded_gap(*args, **kwargs):
+        gaps.append(real_gap(*args, **kwargs))
+        return gaps[-1]
+
+    monkeypatch.setattr(grpo, "load_policy_into_vllm", stale_after_the_first)
+    monkeypatch.setattr(grpo, "probe_gap", recorded_gap)
+    args = tiny_args(tiny_model_dir, tmp_path, n_grpo_steps=1, cpu_bf16=True, lr=1e-3)
+    with pytest.raises(RuntimeError, match="does not follow"):
+        grpo.main(args)
+    print(f"probe gaps: first reload {gaps[0]:.3g}, stale {gaps[1]:.3g}")
+    # the stale gap is under the old bound of 0.5: only the first reload's bound stops it
+    assert len(gaps) == 2 and gaps[1] < 0.5 and gaps[1] > 10 * gaps[0]
+
+
+@pytest.mark.usefixtures("small_train_split")
 def test_engine_weights_change_and_follow_the_policy_every_step(
     tiny_model_dir, tmp_path, monkeypatch
 ):
