@@ -22,6 +22,7 @@ The family (docs/grpo_family.md: its table, and a run of each from one checkpoin
   --kl-is-correction       the k3 KL times p / p_old: unbiased off-policy (DeepSeek-V3.2)
   --off-policy-seq-mask    leave out A < 0 responses whose sampler drifted (DeepSeek-V3.2)
   --reward-aggregation     sum | gdpo: each reward component normalised in its group (GDPO)
+  --sft-coef               + lambda x the NLL of reference solutions (rlvr-experiments)
 `diff grpo.py grpo_family.py` shows what they add. train/loss sits near 0 while the model learns:
 watch rollout/reward_mean.
 
@@ -161,6 +162,9 @@ class Args:
     """DeepSeek-V3.2: leave out responses with A < 0 whose mean log(p_engine / p) is above this"""
     reward_aggregation: str = "sum"
     """sum (the verifier's reward) | gdpo (each component normalised in its group: GDPO)"""
+    sft_coef: float = 0.0
+    """lambda of an auxiliary SFT loss (rlvr-experiments): + lambda x the mean NLL per token of
+    the step's questions' reference solutions, in every optimizer step; 0: off"""
     # --- judge (docs/tasks.md) ---
     judge_model: str | None = None
     """a model that grades the train responses against a rubric (verifiers.Judge); None: the rules"""
@@ -876,6 +880,28 @@ def collate_rollouts(
     return batch, lengths
 
 
+def sft_nll_backward(policy, sft_batch: dict, args: Args, autocast) -> torch.Tensor:
+    """The auxiliary SFT loss: args.sft_coef x the mean NLL per response token of sft_batch
+    (tokenize_prompt_and_output of prompts and reference solutions, (n, T)), at temperature 1,
+    its gradient accumulated into the policy's in args.microbatch_size rows. Returns the NLL of
+    this rank's rows (torchrun: sum it over the ranks), detached."""
+    mask = sft_batch["response_mask"]  # (n, T)
+    n_tokens = int(mask.sum())
+    # a row's length without padding: up to its last solution token
+    lengths = [int(row.nonzero()[-1]) + 1 for row in mask]
+    rows = rows_to_train(list(range(len(lengths))))
+    device = str(policy.device)
+    nll = torch.zeros((), device=policy.device)
+    for _, micro in microbatches(sft_batch, rows, lengths, args.microbatch_size, device):
+        with autocast:
+            out = get_response_log_probs(policy, micro["input_ids"], micro["labels"])
+        # every token of the batch weighs 1 / n_tokens, whatever microbatch it falls in
+        micro_nll = -masked_normalize(out["log_probs"], micro["response_mask"], n_tokens)
+        (args.sft_coef * micro_nll).backward()
+        nll += micro_nll.detach()
+    return nll
+
+
 def grpo_update(
     policy,
     optimizer,
@@ -886,9 +912,11 @@ def grpo_update(
     args: Args,
     step: int,
     autocast,
+    sft_batch: dict | None = None,
 ) -> dict:
     """Epochs over a rollout batch (collate_rollouts): an optimizer step per minibatch at its
-    learning rate in lrs, the gradient accumulated over microbatches. Returns the train/
+    learning rate in lrs, the gradient accumulated over microbatches; with sft_batch, each
+    step's gradient also that of --sft-coef x its NLL (sft_nll_backward). Returns the train/
     metrics."""
     cliprange = (args.clip_low, args.clip_high)
     n_minibatches = args.rollout_batch_size // args.train_batch_size
@@ -915,6 +943,7 @@ def grpo_update(
     token_sums = {}
     losses = []
     grad_norms = []
+    sft_nlls = []
     for i, rows in enumerate(minibatches):
         # the loss is a mean over the minibatch's response tokens, on every rank
         n_tokens = int(batch["response_mask"][rows].sum())
@@ -976,11 +1005,17 @@ def grpo_update(
             stats["engine_gap"] = (old - engine_log_probs).abs()
             stats["entropy"] = out["token_entropy"]
             add_token_sums(token_sums, stats, mask)
-        sum_over_ranks(policy, minibatch_loss)
+        # the SFT term in the same gradient; at --sft-coef 0 nothing computed, nothing summed
+        sft_nll = []
+        if sft_batch is not None:
+            sft_nll = [sft_nll_backward(policy, sft_batch, args, autocast)]
+            minibatch_loss += args.sft_coef * sft_nll[0]
+        sum_over_ranks(policy, minibatch_loss, *sft_nll)
         grad_norm = optimizer_step(policy, optimizer, lrs[i], args.max_grad_norm)
         if math.isfinite(grad_norm):
             losses.append(minibatch_loss.item())
             grad_norms.append(grad_norm)
+            sft_nlls += [t.item() for t in sft_nll]
 
     # a collective: every rank calls it, whether it trained rows or not
     means = token_means(token_sums)
@@ -990,6 +1025,12 @@ def grpo_update(
         metrics["train/loss"] = sum(losses) / len(losses)
         metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics.update(means)
+    if sft_nlls:
+        metrics["train/sft_nll"] = sum(sft_nlls) / len(sft_nlls)
+        # the SFT term's share of the loss's size: lambda NLL / (|GRPO's loss| + lambda NLL)
+        sft_term = args.sft_coef * metrics["train/sft_nll"]
+        grpo_loss = metrics["train/loss"] - sft_term
+        metrics["train/sft_share"] = sft_term / (abs(grpo_loss) + sft_term)
     return metrics
 
 
@@ -1176,6 +1217,14 @@ def main(args: Args) -> Path:
                     advantages[rows],
                     raw_rewards[rows],
                 )
+                # --sft-coef: the reference solutions of the step's questions, ending in EOS
+                sft_batch = None
+                if args.sft_coef > 0:
+                    sft_batch = tokenize_prompt_and_output(
+                        [task.prompt(ex) for ex in examples],
+                        [task.response(ex) + tokenizer.eos_token for ex in examples],
+                        tokenizer,
+                    )
                 update_metrics = grpo_update(
                     policy,
                     optimizer,
@@ -1186,6 +1235,7 @@ def main(args: Args) -> Path:
                     args,
                     step,
                     autocast,
+                    sft_batch,
                 )
         metrics.update(update_metrics)
         metrics["train/lr"] = lrs[-1]
@@ -1302,6 +1352,10 @@ def check_args(args: Args) -> None:
             and (args.loss_type == "no_baseline" or args.overlong_buffer or args.judge_model),
             "reward_aggregation gdpo normalises the verifier's components: not with no_baseline,"
             " the overlong penalty or a judge",
+        ),
+        (
+            args.sft_coef < 0 or (args.sft_coef > 0 and "ifeval" in args.dataset),
+            "sft_coef must be >= 0, and > 0 only on datasets with solutions (not ifeval)",
         ),
         (
             args.lr_schedule not in ("constant", "cosine"),

@@ -17,7 +17,10 @@ stage alone), all inside one run folder, runs/ladder__<seed>__<unix time>/:
 
 Expert iteration and GRPO never see the teacher: they learn from the verifier, which knows the gold answers, and
 so can unlearn the teacher's flaw. The ladder ends with a table (accuracy of each stage, the share of carries it
-gets right, its wall time), ladder.json, and ladder.png: eval accuracy and rollout reward against step per stage.
+gets right, its wall time, and its gain over the model it started from: `eval.py --compare`'s paired standard error
+and 95% interval), ladder.json, and ladder.png: eval accuracy, rollout reward and the share of distinct answers in a
+group against step per stage. The terminal shows each stage's command and its own lines; the libraries' progress
+bars and warnings go to the stage's log in the run folder (on a terminal, one status line redrawn in place).
 The stage settings below are the whole recipe; docs/ladder.md explains why each is what it is. A ladder that dies can
 be continued: `python ladder.py --resume runs/ladder__1__...` skips the stages that finished (each writes its result
 to ladder.json as it ends).
@@ -32,6 +35,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -113,6 +117,17 @@ LABELS = {
     "tools_teacher": "calculator teacher's traces (train split)",
     "tools_sft": "SFT on the calculator traces",
     "grpo_tools": "GRPO with the calculator, from that SFT",
+}
+# the model each trained stage starts from: its gain is measured against that model's evaluation
+# (tools_sft has none: it is evaluated with the tool loop, the random model without)
+STARTS = {
+    "sft": "base",
+    "expert_iter": "sft",
+    "grpo": "sft",
+    "grpo_async": "sft",
+    "gold_sft": "base",
+    "distill": "sft",
+    "grpo_tools": "tools_sft",
 }
 TRACES = "teacher_traces.jsonl"  # in the run folder: sft.py's --sft-file
 TOOL_TRACES = "tool_teacher_traces.jsonl"
@@ -264,11 +279,18 @@ def machine() -> dict:
     }
 
 
-def run(cmd: list[str], log: Path, env: dict[str, str]) -> float:
-    """Run `python <cmd>` from this folder with env added, echo and log its output; return its wall
-    time. Raise if it fails."""
+def run(cmd: list[str], log: Path, env: dict[str, str], quiet: bool = False) -> float:
+    """Run `python <cmd>` from this folder with env added; return its wall time. Raise if it
+    fails. Its whole output goes to log; the terminal gets the stage's own lines (quiet: none),
+    not the libraries' progress bars and warnings (noise_kind), which a terminal sees as one line
+    redrawn in place."""
     print(f"\n$ {''.join(f'{k}={v} ' for k, v in env.items())}python {' '.join(cmd)}", flush=True)
     start = time.time()
+    # a terminal sees the hidden lines as one status line, redrawn in place; a file, none of them
+    redraw = sys.stdout.isatty() and not quiet
+    width = shutil.get_terminal_size().columns - 1
+    noise = None
+    n_hidden = 0
     with (
         open(log, "w") as f,
         subprocess.Popen(
@@ -280,11 +302,26 @@ def run(cmd: list[str], log: Path, env: dict[str, str]) -> float:
             env={**os.environ, **env},
         ) as proc,
     ):
+        # text mode reads each "\r" redraw of a progress bar as a line of its own
         for line in proc.stdout:
-            sys.stdout.write(line)
             f.write(line)
+            noise = noise_kind(line, noise)
+            n_hidden += bool(noise) or quiet
+            if redraw:
+                # "\033[K": erase the status line's rest
+                sys.stdout.write("\r\033[K")
+            if noise and redraw:
+                sys.stdout.write(f"  {cmd[0]}: {line.strip()}"[:width])
+            elif not noise and not quiet:
+                sys.stdout.write(line)
+            sys.stdout.flush()
+    if redraw:
+        sys.stdout.write("\r\033[K")
     if proc.returncode:
         raise RuntimeError(f"{cmd[0]} failed (exit {proc.returncode}); its output is in {log}")
+    if n_hidden:
+        hidden = "its output" if quiet else "progress bars and warnings"
+        print(f"  ({n_hidden} lines in {log}: {hidden})", flush=True)
     return time.time() - start
 
 
@@ -339,13 +376,40 @@ def evaluate(
     )
 
 
+def compare(args: Args, run_dir: Path, stage: str) -> dict:
+    """`eval.py --compare` of a stage's evaluation against the one of the model it started from
+    (STARTS): the change in accuracy on the same test problems, its paired standard error and 95%
+    bootstrap interval, and the problems only one of them solved, with McNemar's p. The whole
+    comparison (every rate eval.py holds) is in eval/<stage>_vs_<start>.json."""
+    start = STARTS[stage]
+    folders = [
+        find_one("*/summary.json", run_dir / "eval" / name).parent for name in (stage, start)
+    ]
+    out = run_dir / "eval" / f"{stage}_vs_{start}.json"
+    cmd = ["eval.py", "--compare", *map(str, folders), "--compare-out", str(out)]
+    run(cmd, run_dir / f"compare_{stage}.log", stage_env(args), quiet=True)
+    result = json.loads(out.read_text())
+    counts = {key: result[key] for key in ("only_a", "only_b", "both", "neither", "mcnemar_p")}
+    return {"against": start, **result["metrics"]["eval/accuracy"], **counts}
+
+
+def gain(comparison: dict) -> str:
+    """A comparison in words: "+11.1 points over sft (paired s.e. 2.0, 95% CI [7.2, 15.0])"."""
+    points = 100 * comparison["difference"]
+    se = 100 * comparison["stderr"]
+    interval = f"[{100 * comparison['ci_low']:.1f}, {100 * comparison['ci_high']:.1f}]"
+    over = f"over {comparison['against']}"
+    return f"{points:+.1f} points {over} (paired s.e. {se:.1f}, 95% CI {interval})"
+
+
 def read_metrics(run_folder: Path) -> list[dict]:
     return [json.loads(line) for line in (run_folder / "metrics.jsonl").read_text().splitlines()]
 
 
 def curves(run_dir: Path, stage: str) -> dict[str, list[tuple[int, float]]]:
-    """(step, value) series of a stage's metrics.jsonl: eval accuracy (greedy, val split) and
-    rollout reward."""
+    """(step, value) series of a stage's metrics.jsonl: eval accuracy (greedy, val split), rollout
+    reward, and the share of distinct final answers in a question's rollouts (the collapse
+    metric: 1/G when all G agree; empty where the stage does not log it)."""
     records = read_metrics(find_one(f"{stage}__*", run_dir))
     reward_key = {
         "expert_iter": "rollout/accuracy",
@@ -359,11 +423,17 @@ def curves(run_dir: Path, stage: str) -> dict[str, list[tuple[int, float]]]:
         "rollout reward (train, sampled)": [
             (r["step"], r[reward_key]) for r in records if reward_key in r
         ],
+        "distinct answers in a group (rollouts)": [
+            (r["step"], r["rollout/distinct_answers"])
+            for r in records
+            if "rollout/distinct_answers" in r
+        ],
     }
 
 
 def plot(run_dir: Path, results: dict) -> Path:
-    """ladder.png: one panel a training stage, eval accuracy and rollout reward against its step."""
+    """ladder.png: one panel a training stage, eval accuracy, rollout reward and the share of
+    distinct answers in a group (where logged) against its step."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no window
@@ -381,7 +451,7 @@ def plot(run_dir: Path, results: dict) -> Path:
         ax.set_title(f"{stage}: test accuracy {results[stage]['accuracy']:.1%}")
         ax.set_xlabel(f"{stage} step")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("accuracy / reward")
+    axes[0].set_ylabel("accuracy / reward / share")
     axes[-1].legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     path = run_dir / "ladder.png"
@@ -480,15 +550,18 @@ def eval_metrics(run_dir: Path, stage: str) -> dict:
 
 
 def table(results: dict) -> str:
-    rows = ["| stage | accuracy | carries right | wall time |", "|---|---|---|---|"]
+    rows = [
+        "| stage | accuracy | carries right | wall time | gain over its start (eval.py --compare) |",
+        "|---|---|---|---|---|",
+    ]
     for stage in [stage for stage in STAGES if stage in results]:
         r = results[stage]
         carries = "-" if r["carries_right"] is None else f"{r['carries_right']:.0%}"
-        rows.append(
-            f"| {LABELS[stage]} | {r['accuracy']:.1%} | {carries} | {r['seconds'] / 60:.1f} min |"
-        )
+        change = gain(r["comparison"]) if "comparison" in r else ""
+        minutes = f"{r['seconds'] / 60:.1f} min"
+        rows.append(f"| {LABELS[stage]} | {r['accuracy']:.1%} | {carries} | {minutes} | {change} |")
     total = sum(r["seconds"] for r in results.values())
-    rows.append(f"| total | | | {total / 60:.1f} min |")
+    rows.append(f"| total | | | {total / 60:.1f} min | |")
     return "\n".join(rows)
 
 
@@ -517,10 +590,13 @@ def main(args: Args) -> dict:
         where = saved.get("machine", where)
     print(f"machine: {where}", flush=True)
 
-    def finish(stage: str, accuracy: float, carries: float | None, seconds: float) -> None:
-        results[stage] = {"accuracy": accuracy, "carries_right": carries, "seconds": seconds}
+    def save() -> None:
         saved = {"args": asdict(args), "machine": where, "results": results}
         results_path.write_text(json.dumps(saved, indent=2) + "\n")
+
+    def finish(stage: str, accuracy: float, carries: float | None, seconds: float) -> None:
+        results[stage] = {"accuracy": accuracy, "carries_right": carries, "seconds": seconds}
+        save()
         print(f"\n=== {stage}: accuracy {accuracy:.1%} ({seconds / 60:.1f} min) ===", flush=True)
 
     cmds = stage_commands(args, run_dir, sft_checkpoint="<after sft>")
@@ -564,6 +640,13 @@ def main(args: Args) -> dict:
             accuracy, carries, eval_seconds = evaluate(args, checkpoint, run_dir, stage)
             finish(stage, accuracy, carries, seconds + eval_seconds)
 
+    # each trained stage against the model it started from, from their evaluation folders (a
+    # ladder.json from before the comparisons gets them here too)
+    for stage, start in STARTS.items():
+        if stage in results and start in results and "comparison" not in results[stage]:
+            results[stage]["comparison"] = compare(args, run_dir, stage)
+            save()
+
     print(
         f"\nladder, seed {args.seed}; accuracy on the synthetic test split (greedy; the teacher's: train split)"
     )
@@ -574,6 +657,32 @@ def main(args: Args) -> dict:
     if "grpo_tools" in results:
         print(f"wrote {plot_tools([run_dir], run_dir / 'ladder_tools.png')}")
     return results
+
+
+# --- PLUMBING: what of a stage's output the terminal shows (its log keeps it all) ---
+
+# What the libraries print in every stage, which says nothing of the stage: the progress bars of
+# tqdm ("Processed prompts:  45%|████▌     | 230/512") and of vLLM's weight loading ("Loading
+# safetensors checkpoint shards: 100% Completed | 1/1"), Python's warnings ("dispatcher.py:138:
+# FutureWarning: ..."), torch's C++ ones ("[W1128 14:34:26.709 utils.cpp:68] Warning: NUMA
+# binding ..."), and vLLM's note that Triton has no CPU backend.
+PROGRESS = re.compile(r"\d+%\||\d+% Completed \|")
+WARNING = re.compile(r":\d+: [A-Z]\w*Warning: |^\[W\d{4} |^Triton is installed")
+
+
+def noise_kind(line: str, before: str | None) -> str | None:
+    """ "progress" or "warning" if a stage's output line is a library's noise, else None; before:
+    the kind of the line before. A Python warning's next line, indented, is its source line; an
+    empty line after noise is a progress bar's last redraw: the same kind."""
+    if PROGRESS.search(line):
+        return "progress"
+    if WARNING.search(line):
+        return "warning"
+    if before and not line.strip():
+        return before
+    if before == "warning" and line.startswith("  "):
+        return before
+    return None
 
 
 if __name__ == "__main__":

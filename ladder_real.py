@@ -18,8 +18,11 @@ runs/ladder_real__<seed>__<unix time>/:
                   questions with verifiable instructions appended; never the test prompts)
   3. eval.py      the last checkpoint, as in 1
   4. lm-eval      lm-eval's own IFEval scorer on the responses of 1 and 3, beside eval.py's
+  5. eval.py --compare   3 against 1, prompt by prompt: the change, its paired standard error
+                  and 95% interval, the prompts only one got right
 
-It ends with a table (prompt- and instruction-level accuracy before and after, both scorers),
+It ends with a table (prompt- and instruction-level accuracy before and after, both scorers, and
+the change in ours),
 ladder_real.json and ladder_real.png (the rollouts' reward, truncation and groups without signal,
 against the step). `--resume RUN_FOLDER` skips the stages that finished; a GRPO stage that
 stopped goes on from its last checkpoint.
@@ -29,7 +32,6 @@ import functools
 import importlib.util
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -118,6 +120,9 @@ def main(args: Args) -> dict:
     if "after" not in results:
         checkpoint = last(run_dir.glob("grpo__*/checkpoints/step_*"))
         finish("after", evaluate(args, checkpoint, run_dir, "after"))
+    # a run folder evaluated before the comparison was kept gets it here, from its eval folders
+    if "comparison" not in results["after"]:
+        finish("after", {**results["after"], "comparison": compare(args, run_dir, results)})
 
     print(f"\n{table(results)}")
     path = plot(run_dir, results)
@@ -202,6 +207,8 @@ def evaluate(args: Args, model: Path, run_dir: Path, name: str) -> dict:
     records = [json.loads(line) for line in samples]
     ours = summary["metrics"]
     result = {"seconds": seconds, "truncation_rate": ours["eval/truncation_rate"]}
+    # what compare() reads
+    result["folder"] = str(last(out.glob("*/summary.json")).parent)
     for key in ("prompt_level_strict", "prompt_level_loose", "inst_level_strict"):
         result[f"ours/{key}"] = ours[f"eval/{key}_acc"]
     examples = {ex["id"]: ex for ex in data.load("ifeval", "test", args.data_dir)}
@@ -209,16 +216,46 @@ def evaluate(args: Args, model: Path, run_dir: Path, name: str) -> dict:
     return result
 
 
+def compare(args: Args, run_dir: Path, results: dict) -> dict:
+    """`eval.py --compare` of the "after" evaluation against "before", on the same prompts: each
+    rate's change with its paired standard error and 95% bootstrap interval, and the prompts only
+    one of them got right (McNemar's p); kept in eval/after_vs_before.json too."""
+    folders = [eval_folder(args, run_dir, results, name) for name in ("after", "before")]
+    out = run_dir / "eval" / "after_vs_before.json"
+    cmd = ["eval.py", "--compare", *map(str, folders), "--compare-out", str(out)]
+    run(cmd, run_dir / "compare.log")
+    return json.loads(out.read_text())
+
+
+def eval_folder(args: Args, run_dir: Path, results: dict, name: str) -> Path:
+    """The results folder of the "before" or "after" evaluation: the one its result names, or
+    (a result from before they were named) the one in its run folder's eval/<name>/."""
+    if "folder" in results[name]:
+        return Path(results[name]["folder"])
+    reused = name == "before" and args.before_from
+    where = Path(args.before_from) if reused else run_dir
+    return last(where.glob(f"eval/{name}/*/summary.json")).parent
+
+
+def gain(row: dict) -> str:
+    """A rate's row of a comparison in words:
+    "+11.1 points (paired s.e. 2.0, 95% CI [7.2, 15.0])"."""
+    points = 100 * row["difference"]
+    interval = f"[{100 * row['ci_low']:.1f}, {100 * row['ci_high']:.1f}]"
+    return f"{points:+.1f} points (paired s.e. {100 * row['stderr']:.1f}, 95% CI {interval})"
+
+
 def table(results: dict) -> str:
-    """Before and after, each scorer's prompt- and instruction-level accuracy, with one standard
-    error of the prompt-level number."""
+    """Before and after, each scorer's prompt- and instruction-level accuracy; for ours, the
+    change with its paired standard error and interval (eval.py --compare)."""
     n = results["before"]["n_prompts"]
     rows = [
-        f"| IFEval ({n} prompts, greedy) | before | after | change in standard errors |",
+        f"| IFEval ({n} prompts, greedy) | before | after | after - before (eval.py --compare) |",
         "|---|---:|---:|---:|",
     ]
     before = results["before"]
     after = results.get("after", {})
+    comparison = after.get("comparison", {"metrics": {}})
     for key in (
         "ours/prompt_level_strict",
         "lm_eval/prompt_level_strict",
@@ -228,15 +265,21 @@ def table(results: dict) -> str:
         "lm_eval/inst_level_strict",
         "truncation_rate",
     ):
+        # lm_eval/...: none without lm-eval installed
+        if key not in before:
+            continue
         if key not in after:
             rows.append(f"| {key} | {before[key]:.1%} | | |")
             continue
-        change = ""
-        if key.endswith("prompt_level_strict"):
-            # the standard error of a difference of two accuracies on the same n prompts
-            se = math.sqrt((before[key] * (1 - before[key]) + after[key] * (1 - after[key])) / n)
-            change = f"{(after[key] - before[key]) / se:+.1f}"
+        # ours/prompt_level_strict: eval.py's eval/prompt_level_strict_acc (lm-eval's scorer
+        # has no per-prompt record to pair)
+        row = comparison["metrics"].get(f"eval/{key.removeprefix('ours/')}_acc")
+        change = gain(row) if key.startswith("ours/") and row else ""
         rows.append(f"| {key} | {before[key]:.1%} | {after[key]:.1%} | {change} |")
+    if "only_a" in comparison:
+        only = f"{comparison['only_a']} / {comparison['only_b']}"
+        p_value = f"McNemar's p {comparison['mcnemar_p']:.2g}"
+        rows.append(f"| prompts right only after / only before | | | {only} ({p_value}) |")
     if "after" in results:
         before_minutes = before["seconds"] / 60
         after_minutes = after["seconds"] / 60
@@ -250,9 +293,9 @@ def table(results: dict) -> str:
 
 
 def plot(run_dir: Path, results: dict) -> Path:
-    """ladder_real.png: the rollouts' reward, truncation rate and share of groups without a reward
-    signal, and grpo.py's own evaluation, against the GRPO step; the test accuracy before and
-    after as dotted lines."""
+    """ladder_real.png: the rollouts' reward, truncation rate, share of groups without a reward
+    signal and share of distinct responses in a group, and grpo.py's own evaluation, against the
+    GRPO step; the test accuracy before and after as dotted lines."""
     import matplotlib
 
     # files only, no window
@@ -266,6 +309,10 @@ def plot(run_dir: Path, results: dict) -> Path:
         "rollout/reward_mean",
         "rollout/truncation_rate",
         "rollout/frac_zero_std_groups",
+        # the collapse metric: 1/G where a group's G responses are one text (IFEval responses
+        # have no final answer to count; older runs logged neither: no curve)
+        "rollout/distinct_responses",
+        "rollout/distinct_answers",
         # the script's own watch: 64 validation prompts, up to 256 tokens
         "eval/accuracy",
     ):

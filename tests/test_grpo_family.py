@@ -13,11 +13,13 @@ runs replace verifiers.score with `letter_reward` (the share of letters in the r
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from adapters import grpo_microbatch_train_step
 from conftest import interrupted_at_call
+from transformers import AutoTokenizer
 
 import grpo_family
 from grpo_family import (
@@ -274,6 +276,8 @@ def test_responses_to_train():
         ({"kl_is_correction": True}, "set beta"),
         ({"reward_aggregation": "gdpo", "loss_type": "no_baseline"}, "gdpo normalises"),
         ({"reward_aggregation": "mean"}, "unknown reward_aggregation"),
+        ({"sft_coef": -0.1}, "sft_coef must be"),
+        ({"sft_coef": 0.1, "dataset": "gsm8k:0.5,ifeval:0.5"}, "not ifeval"),
     ],
 )
 def test_argument_errors_before_the_engine_starts(overrides, message, monkeypatch):
@@ -282,6 +286,84 @@ def test_argument_errors_before_the_engine_starts(overrides, message, monkeypatc
     )
     with pytest.raises(ValueError, match=message):
         grpo_family.main(Args(**overrides))
+
+
+# --- the auxiliary SFT loss (--sft-coef) ---
+
+
+def sft_solutions(tiny_model_dir):
+    """Three prompts and their reference solutions of different lengths, as main tokenizes
+    them, and the token ids of each, unpadded."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = ["Q: 2 + 3?\nA:", "Q: 40 + 9 - 7?\nA:", "Q: 1?\nA:"]
+    solutions = [
+        s + tokenizer.eos_token for s in (" 2 + 3 = 5.", " 40 + 9 = 49. 49 - 7 = 42.", " 1.")
+    ]
+    batch = grpo_family.tokenize_prompt_and_output(prompts, solutions, tokenizer)
+    ids = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return batch, list(zip(ids(prompts), ids(solutions), strict=True))
+
+
+def nll_by_hand(policy, pairs):
+    """The mean NLL per solution token, written out: each prompt + solution alone through the
+    model, the full logits' log_softmax at each solution token (predicted from the position
+    before it), summed over the solutions, / their number of tokens."""
+    total = 0.0
+    for prompt, solution in pairs:
+        logits = policy(torch.tensor([prompt + solution])).logits[0]  # (L, V)
+        log_p = logits.log_softmax(-1)[len(prompt) - 1 : -1]  # (|solution|, V)
+        total = total - log_p.gather(1, torch.tensor(solution)[:, None]).sum()
+    return total / sum(len(solution) for _, solution in pairs)
+
+
+def test_sft_nll_by_hand_in_any_microbatches(tiny_model_dir):
+    batch, pairs = sft_solutions(tiny_model_dir)
+    policy, autocast = grpo_family.load_policy(str(tiny_model_dir), "cpu", False, 0)
+    expected = nll_by_hand(policy, pairs)
+    # a random model: about ln V per token
+    assert 3 < expected.item() < 10
+    for size in (1, 2, 3):
+        args = Args(sft_coef=1.0, microbatch_size=size)
+        nll = grpo_family.sft_nll_backward(policy, batch, args, autocast)
+        assert nll.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_sft_coef_adds_lambda_times_the_nlls_gradient(tiny_model_dir):
+    # One optimizer step of SGD at lr 1, no clipping: the weights move by minus the gradient.
+    # With --sft-coef 0.5 it is GRPO's gradient (the update without it) + 0.5 x the gradient
+    # of nll_by_hand; the loss logged is GRPO's + 0.5 NLL, and the SFT term's share of it.
+    from test_grpo import rollout_batch
+
+    batch, lengths = rollout_batch(4)
+    batch["raw_rewards"] = torch.zeros(4, 1)
+    sft_batch, pairs = sft_solutions(tiny_model_dir)
+    args = Args(
+        rollout_batch_size=4, group_size=2, train_batch_size=4, microbatch_size=3, max_grad_norm=1e9
+    )
+
+    def update(sft_coef, sft_batch):
+        policy, autocast = grpo_family.load_policy(str(tiny_model_dir), "cpu", False, 0)
+        start = {k: v.clone() for k, v in policy.state_dict().items()}
+        optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+        args_here = replace(args, sft_coef=sft_coef)
+        metrics = grpo_family.grpo_update(
+            policy, optimizer, batch, lengths, [1.0], None, args_here, 0, autocast, sft_batch
+        )
+        return {k: start[k] - v for k, v in policy.state_dict().items()}, metrics
+
+    both, metrics = update(0.5, sft_batch)
+    grpo_alone, grpo_metrics = update(0.0, None)
+    policy, _ = grpo_family.load_policy(str(tiny_model_dir), "cpu", False, 0)
+    nll = nll_by_hand(policy, pairs)
+    nll.backward()
+    for name, p in policy.named_parameters():
+        assert torch.allclose(both[name], grpo_alone[name] + 0.5 * p.grad, atol=1e-6), name
+    assert metrics["train/sft_nll"] == pytest.approx(nll.item(), rel=1e-5)
+    grpo_loss = grpo_metrics["train/loss"]
+    assert metrics["train/loss"] == pytest.approx(grpo_loss + 0.5 * nll.item(), rel=1e-5)
+    share = 0.5 * nll.item() / (abs(grpo_loss) + 0.5 * nll.item())
+    assert metrics["train/sft_share"] == pytest.approx(share, rel=1e-5)
+    assert not {"train/sft_nll", "train/sft_share"} & set(grpo_metrics)
 
 
 # --- the engine/trainer mismatch: IS level and mode, DeepSeek-V3.2's KL and sequence mask ---

@@ -48,8 +48,6 @@ def test_a_stopped_grpo_run_goes_on_from_its_checkpoint(tmp_path):
 
 
 def test_table_by_hand():
-    # 100 prompts, strict 20% -> 30%: the standard error of the difference is
-    # sqrt((0.2 * 0.8 + 0.3 * 0.7) / 100) = 0.0608, so +0.1 is +1.6 of them
     before = {"seconds": 600.0, "n_prompts": 100, "truncation_rate": 0.5}
     after = {"seconds": 660.0, "n_prompts": 100, "truncation_rate": 0.25}
     for scorer in ("ours", "lm_eval"):
@@ -59,25 +57,98 @@ def test_table_by_hand():
             "inst_level_strict": (0.4, 0.45),
         }.items():
             before[f"{scorer}/{key}"], after[f"{scorer}/{key}"] = b, a
+    # eval.py --compare's result, as its --compare-out writes it (only the rows the table reads)
+    strict = {"difference": 0.1, "stderr": 0.0412, "ci_low": 0.02, "ci_high": 0.18}
+    after["comparison"] = {
+        "metrics": {"eval/prompt_level_strict_acc": strict},
+        "only_a": 14,
+        "only_b": 4,
+        "mcnemar_p": 0.0309,
+    }
     results = {"before": before, "grpo": {"seconds": 1140.0}, "after": after}
     lines = ladder_real.table(results).splitlines()
-    assert (
-        lines[0] == "| IFEval (100 prompts, greedy) | before | after | change in standard errors |"
+    assert lines[0] == (
+        "| IFEval (100 prompts, greedy) | before | after | after - before (eval.py --compare) |"
     )
-    assert "| ours/prompt_level_strict | 20.0% | 30.0% | +1.6 |" in lines
-    assert "| lm_eval/prompt_level_strict | 20.0% | 30.0% | +1.6 |" in lines
-    # only the prompt-level strict rows get a change
+    gain = "+10.0 points (paired s.e. 4.1, 95% CI [2.0, 18.0])"
+    assert f"| ours/prompt_level_strict | 20.0% | 30.0% | {gain} |" in lines
+    # lm-eval's scorer keeps no per-prompt record to pair; a rate without a comparison: none
+    assert "| lm_eval/prompt_level_strict | 20.0% | 30.0% |  |" in lines
     assert "| ours/inst_level_strict | 40.0% | 45.0% |  |" in lines
     assert "| truncation_rate | 50.0% | 25.0% |  |" in lines
+    assert "| prompts right only after / only before | | | 14 / 4 (McNemar's p 0.031) |" in lines
     assert "| evaluation, minutes | 10 | 11 | |" in lines
     assert "| GRPO, minutes | | 19 | |" in lines
     # 600 + 1140 + 660 seconds
     assert lines[-1] == "| wall time | | | 40 min |"
 
 
+def plant_ifeval(folder, strict: list[list[bool]]) -> None:
+    """An eval.py IFEval results folder: prompt i's instructions followed as strict[i] says."""
+    args = {"dataset": "ifeval", "split": "test", "template": "chat", "tools": False, "k": [1]}
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({"args": args, "metrics": {}}))
+    lines = []
+    for i, followed in enumerate(strict):
+        reward = {"reward": float(all(followed)), "format_reward": 1.0, "extracted": None}
+        reward.update(strict=followed, loose=followed)
+        record = {
+            "id": str(i),
+            "prompt": "p",
+            "answer": {},
+            "responses": ["r"],
+            "rewards": [reward],
+        }
+        lines.append(json.dumps(record) + "\n")
+    (folder / "samples.jsonl").write_text("".join(lines))
+
+
+def test_a_run_resumed_after_its_evaluations_gets_the_comparison(tmp_path):
+    # a run folder whose stages all finished before the comparison was kept: ladder_real.json
+    # without it, nor the results folders' paths; --resume runs no stage and compares the two
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    run_dir = tmp_path / "ladder_real__1__0"
+    # 8 prompts: 2 right before, 5 after (prompt 1 lost, 0 kept, 2-5 gained)
+    before = [[True], [True, True], [False], [False], [True, False], [False], [False], [False]]
+    after = [[True], [False, True], [True], [True], [True, True], [True], [False], [False]]
+    plant_ifeval(run_dir / "eval" / "before" / "model", before)
+    plant_ifeval(run_dir / "eval" / "after" / "model", after)
+    result = {"seconds": 60.0, "n_prompts": 8, "truncation_rate": 0.0}
+    results = {
+        "before": {**result, "ours/prompt_level_strict": 0.25},
+        "grpo": {"seconds": 120.0},
+        "after": {**result, "ours/prompt_level_strict": 0.625},
+    }
+    args = vars(ladder_real.Args(model_dir=str(model), output_dir=str(tmp_path)))
+    saved = {"args": args, "results": results}
+    (run_dir / "ladder_real.json").write_text(json.dumps(saved))
+    rows = [{"step": 1, "rollout/reward_mean": 0.4, "rollout/distinct_responses": 0.5}]
+    (run_dir / "grpo__1__0").mkdir()
+    (run_dir / "grpo__1__0" / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+
+    got = ladder_real.main(ladder_real.Args(resume=str(run_dir)))
+
+    comparison = got["after"]["comparison"]
+    strict = comparison["metrics"]["eval/prompt_level_strict_acc"]
+    assert strict["difference"] == 0.375 and strict["stderr"] > 0
+    assert (comparison["only_a"], comparison["only_b"]) == (4, 1)
+    written = json.loads((run_dir / "eval" / "after_vs_before.json").read_text())
+    assert written == comparison
+    saved = json.loads((run_dir / "ladder_real.json").read_text())
+    assert saved["results"]["after"]["comparison"] == comparison
+    assert "| ours/prompt_level_strict | 25.0% | 62.5% | +37.5 points (paired s.e." in (
+        ladder_real.table(got)
+    )
+    assert (run_dir / "ladder_real.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plot_is_a_png_of_the_rollouts_and_the_evaluations(tmp_path):
     rows = [{"step": 0, "eval/accuracy": 0.2}]
     rows += [{"step": 1, "rollout/reward_mean": 0.3, "rollout/truncation_rate": 0.5}]
+    # the collapse metric, where a run logged it
+    rows += [{"step": 2, "rollout/distinct_responses": 0.75}]
     lines = [json.dumps(row) + "\n" for row in rows]
     (tmp_path / "grpo__1__5").mkdir()
     (tmp_path / "grpo__1__5" / "metrics.jsonl").write_text("".join(lines))
