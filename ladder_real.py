@@ -405,6 +405,8 @@ def lm_eval_scorer():
     (nltk_data / "tokenizers" / "punkt_tab").mkdir(parents=True, exist_ok=True)
     nltk.data.path[:0] = [str(nltk_data)]
     folder = Path(spec.origin).parent / "tasks" / "ifeval"
+    # the stand-ins below leave sys.modules as they found it: a later `import lm_eval` gets lm-eval
+    before = {name: module for name, module in sys.modules.items() if name.startswith("lm_eval")}
     # empty parents: lm_eval's own package init would import torch and much more
     for name in ("lm_eval", "lm_eval.tasks", "lm_eval.tasks.ifeval"):
         sys.modules[name] = types.ModuleType(name)
@@ -426,7 +428,11 @@ def lm_eval_scorer():
     logging.getLogger("lm_eval.tasks.ifeval.instructions").setLevel(logging.CRITICAL)
     # Treebank word rules without punkt's sentence split (as the tests run it): this process only
     nltk.word_tokenize = functools.partial(nltk.word_tokenize, preserve_line=True)
-    return sys.modules["lm_eval.tasks.ifeval.utils"].process_results
+    process_results = sys.modules["lm_eval.tasks.ifeval.utils"].process_results
+    for name in [name for name in sys.modules if name.startswith("lm_eval")]:
+        del sys.modules[name]
+    sys.modules.update(before)
+    return process_results
 
 
 def run(cmd: list[str], log: Path) -> None:

@@ -6,6 +6,7 @@ through the engine with both scorers. The GRPO run itself takes an hour: its num
 docs/ladder.md, not asserted here."""
 
 import json
+import sys
 
 import pytest
 import tyro
@@ -169,7 +170,10 @@ def test_lm_eval_scorer_aggregates_as_ours(shared_data):
         {"id": ex["id"], "responses": [response]}
         for ex, response in zip(examples, responses, strict=True)
     ]
+    lm_eval = sys.modules["lm_eval"]
     got = ladder_real.lm_eval_ifeval(records, {ex["id"]: ex for ex in examples})
+    # the empty stand-ins it loads lm-eval's files under are gone: `import lm_eval` is lm-eval's
+    assert sys.modules["lm_eval"] is lm_eval and "lm_eval.tasks.ifeval.utils" not in sys.modules
 
     # ours, aggregated by hand: a prompt counts if all its instructions are followed
     verdicts = [verifiers.score(r, ex) for r, ex in zip(responses, examples, strict=True)]
