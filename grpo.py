@@ -917,6 +917,7 @@ FAMILY_FLAGS = [
     "kl-is-correction",
     "off-policy-seq-mask",
     "reward-aggregation",
+    "sft-coef",
 ]
 
 

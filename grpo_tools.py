@@ -1120,6 +1120,7 @@ FAMILY_FLAGS = [
     "kl-is-correction",
     "off-policy-seq-mask",
     "reward-aggregation",
+    "sft-coef",
 ]
 
 

@@ -2,8 +2,11 @@
 # The GRPO family table (docs/grpo_family.md): every variant from one SFT checkpoint, the ladder's GRPO settings but
 # --n-grpo-steps $STEPS, seeds in SEEDS, the variants in ORDER; one run folder each under $OUT/<variant>, a log beside it.
 # Usage: SFT=runs/ladder__1__.../sft__1__.../checkpoints/step_000625 bash bench/grpo_family.sh
+# FLAGS: more flags for every run (FLAGS=--cpu-bf16: a bf16 engine, the planted mismatch); PIN: the ISA the runs hold
+# torch and oneDNN to (default AVX2, as the ladder; PIN= holds none, which --cpu-bf16 needs).
 set -u
 SFT=${SFT:?the SFT checkpoint}; OUT=${OUT:-runs/grpo_family}; STEPS=${STEPS:-10}; SEEDS=${SEEDS:-"1 2 3"}
+FLAGS=${FLAGS:-}; PIN=${PIN-"ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2"}
 declare -A VARIANTS=(
   [no_baseline]="--loss-type no_baseline" [reinforce_with_baseline]="--loss-type reinforce_with_baseline"
   [grpo_clip_token_mean]="" [grpo_clip_sequence_mean]="--loss-aggregation sequence_mean"
@@ -22,11 +25,11 @@ for seed in $SEEDS; do
     mkdir -p "$OUT/$name"
     start=$(date +%s)
     # shellcheck disable=SC2086
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python grpo_family.py --model "$SFT" --dataset synthetic \
+    env $PIN python grpo_family.py --model "$SFT" --dataset synthetic \
       --template question --seed "$seed" --output-dir "$OUT/$name" --n-grpo-steps "$STEPS" \
       --rollout-batch-size 256 --group-size 8 --train-batch-size 64 --microbatch-size 64 --lr 1e-4 \
       --warmup-steps 20 --lr-schedule cosine --max-tokens 64 --eval-max-tokens 64 --n-eval 256 \
-      --eval-split test --eval-every 100000 --save-every 100000 ${VARIANTS[$name]} > "$OUT/$name/seed$seed.log" 2>&1
+      --eval-split test --eval-every 100000 --save-every 100000 ${VARIANTS[$name]} $FLAGS > "$OUT/$name/seed$seed.log" 2>&1
     echo "$name seed $seed rc $? wall $(( $(date +%s) - start )) s" >> "$OUT/done.txt"
   done
 done
