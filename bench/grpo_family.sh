@@ -3,10 +3,11 @@
 # --n-grpo-steps $STEPS, seeds in SEEDS, the variants in ORDER; one run folder each under $OUT/<variant>, a log beside it.
 # Usage: SFT=runs/ladder__1__.../sft__1__.../checkpoints/step_000625 bash bench/grpo_family.sh
 # FLAGS: more flags for every run (FLAGS=--cpu-bf16: a bf16 engine, the planted mismatch); PIN: the ISA the runs hold
-# torch and oneDNN to (default AVX2, as the ladder; PIN= holds none, which --cpu-bf16 needs).
+# torch and oneDNN to (default AVX2, as the ladder; PIN= holds none, which --cpu-bf16 needs); SCRIPT: what runs
+# (default grpo_family.py; SCRIPT="-m bench.planted_mismatch": the same with a planted engine/trainer mismatch).
 set -u
 SFT=${SFT:?the SFT checkpoint}; OUT=${OUT:-runs/grpo_family}; STEPS=${STEPS:-10}; SEEDS=${SEEDS:-"1 2 3"}
-FLAGS=${FLAGS:-}; PIN=${PIN-"ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2"}
+FLAGS=${FLAGS:-}; PIN=${PIN-"ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2"}; SCRIPT=${SCRIPT:-grpo_family.py}
 declare -A VARIANTS=(
   [no_baseline]="--loss-type no_baseline" [reinforce_with_baseline]="--loss-type reinforce_with_baseline"
   [grpo_clip_token_mean]="" [grpo_clip_sequence_mean]="--loss-aggregation sequence_mean"
@@ -25,7 +26,7 @@ for seed in $SEEDS; do
     mkdir -p "$OUT/$name"
     start=$(date +%s)
     # shellcheck disable=SC2086
-    env $PIN python grpo_family.py --model "$SFT" --dataset synthetic \
+    env $PIN python $SCRIPT --model "$SFT" --dataset synthetic \
       --template question --seed "$seed" --output-dir "$OUT/$name" --n-grpo-steps "$STEPS" \
       --rollout-batch-size 256 --group-size 8 --train-batch-size 64 --microbatch-size 64 --lr 1e-4 \
       --warmup-steps 20 --lr-schedule cosine --max-tokens 64 --eval-max-tokens 64 --n-eval 256 \

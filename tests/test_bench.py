@@ -248,3 +248,24 @@ def test_shared_prompt_bench_times_both_sides_and_finds_them_equal():
     assert result["plain"]["seconds"] > 0 and result["shared"]["seconds"] > 0
     # float rounding only (measured ~1e-6 of a gradient's largest entry)
     assert result["max_log_prob_diff"] < 1e-4 and result["max_grad_diff"] < 1e-4
+
+
+def test_planted_mismatch_moves_a_share_of_the_response_tokens_by_the_offset():
+    from bench.planted_mismatch import plant
+
+    mask = torch.zeros(50, 40, dtype=torch.bool)
+    mask[:, 5:35] = True  # 1,500 response tokens
+    # log-probs in quarters: adding and taking 1 is exact
+    engine = -torch.randint(0, 20, (50, 40)) / 4
+    moved = plant(engine, mask, share=0.1, offset=1.0, seed=7) - engine
+    # every token moved by exactly +-1 nat, and only response tokens
+    assert set(moved.unique().tolist()) == {-1.0, 0.0, 1.0}
+    assert not moved[~mask].any()
+    ups, downs = int((moved == 1).sum()), int((moved == -1).sum())
+    # about 10% of 1,500 (150, std ~12), about half of them each way (75, std ~6)
+    assert 110 < ups + downs < 190 and 40 < ups < 110 and 40 < downs < 110
+    # the same seed, the same tokens; another seed, others; share 0 or 1: none or all
+    assert torch.equal(plant(engine, mask, 0.1, 1.0, 7), engine + moved)
+    assert not torch.equal(plant(engine, mask, 0.1, 1.0, 8), engine + moved)
+    assert torch.equal(plant(engine, mask, 0.0, 1.0, 7), engine)
+    assert ((plant(engine, mask, 1.0, 0.5, 7) - engine).abs()[mask] == 0.5).all()
