@@ -1,8 +1,8 @@
 """grpo_family.py with a planted engine/trainer mismatch: the family's corrections where they differ.
 
 On a CPU the engine and the trainer agree to float rounding (train/engine_logprob_gap ~1e-7), so no importance weight
-is ever capped or masked and every correction trains as plain GRPO does. On a GPU a bf16 engine's log-probs are off by
-~1e-2 per token with heavy tails. This runs grpo_family.py as it is, except that the engine's log-prob of a random share
+is ever capped or masked and every correction trains as plain GRPO does. A bf16 engine's log-probs are off by a few 1e-2
+per token (docs/training.md). This runs grpo_family.py as it is, except that the engine's log-prob of a random share
 of the sampled tokens (PLANT_SHARE, default 0.1) is moved by PLANT_OFFSET nats (default 1.0), up or down at random: as
 if the engine had sampled from a distribution that the trainer disagrees with on those tokens. Their weight p_old /
 p_engine is e or 1/e: token truncation caps e at 2, IcePop's band [0.5, 5] masks 1/e, a sequence's weight (the product)
