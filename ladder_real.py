@@ -62,7 +62,7 @@ class Args:
     eval_max_tokens: int = 1280
     """most tokens of an evaluated response (lm-eval's IFEval setting)"""
     grpo_steps: int = 24
-    """GRPO steps: 24 took 38 minutes on 2 cores (docs/ladder.md, run 7: +4.2 standard errors)"""
+    """GRPO steps: 24 took 34-40 minutes on 2 cores (docs/ladder.md: +8.3 to +10.4 points)"""
     grpo_flags: str = ""
     """more grpo.py flags, after RECIPE's (a later flag wins), e.g. "--lr 3e-5 --clip-high 0.28" """
     before_from: str | None = None
